@@ -1,0 +1,27 @@
+# Two entry points, each doing all set-up on a fresh machine:
+#   make demo   the main job: the seed's worked example, then train a tiny GPT and sample from it
+#   make test   the whole test suite
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+# torch is pinned to the CPU wheel; pip never resolves an unpinned torch here.
+TORCH  := torch==2.13.0
+
+.PHONY: demo test setup clean
+
+$(BIN)/selfattn: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --disable-pip-version-check $(TORCH)
+	$(BIN)/pip install -q --disable-pip-version-check -e ".[dev]" $(TORCH)
+	touch $@
+
+setup: $(BIN)/selfattn
+
+demo: setup
+	$(BIN)/selfattn demo
+
+test: setup
+	$(BIN)/python -m pytest -q -n 2
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache

@@ -1,0 +1,5 @@
+import sys
+
+from selfattn.cli import main
+
+sys.exit(main())

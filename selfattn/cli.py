@@ -1,0 +1,44 @@
+"""The ``selfattn`` command: one thin dispatcher over sub-commands.
+
+Each sub-command lives in the module that owns its idea and exposes
+``add_arguments(parser)`` and ``main(args) -> int``. Errors a user can fix (bad flags,
+bad values, missing files) are one line on stderr and exit status 2;
+``SELFATTN_DEBUG=1`` shows the traceback instead.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+
+# name -> (module, one-line help); modules are imported when the parser is built.
+COMMANDS = {
+    "demo": ("selfattn.demo", "the seed's worked example, computed live: shape walk, parameters, causality"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="selfattn", description="Causal multi-head self-attention from scratch.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, (module, help_text) in COMMANDS.items():
+        mod = importlib.import_module(module)
+        p = sub.add_parser(name, help=help_text, description=(mod.__doc__ or help_text).strip().split("\n\n")[0],
+                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        mod.add_arguments(p)
+        p.set_defaults(_main=mod.main)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args._main(args) or 0)
+    except (ValueError, TypeError, OSError) as e:
+        if os.environ.get("SELFATTN_DEBUG"):
+            raise
+        print(f"selfattn {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"selfattn {args.command}: interrupted", file=sys.stderr)
+        return 130
