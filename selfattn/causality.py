@@ -420,7 +420,8 @@ def check_cache(model: nn.Module, prompt: Tensor, max_new_tokens: int, *, rtol: 
     ``forward(idx, cache=...)`` returning logits (or a tuple starting with them).
     """
     if not isinstance(model, nn.Module) or not hasattr(model, "blocks") or not hasattr(model, "new_cache"):
-        raise TypeError(f"check_cache needs a model with .blocks and .new_cache() (our GPT), got {type(model).__name__}")
+        raise TypeError(f"check_cache needs a model with .blocks and .new_cache() (our GPT), "
+                        f"got {type(model).__name__}")
     if not isinstance(prompt, Tensor) or prompt.dim() != 2 or prompt.shape[1] == 0 or prompt.is_floating_point():
         raise ValueError(f"prompt must be integer token ids of shape (B, T) with T >= 1, got "
                          f"{tuple(prompt.shape) if isinstance(prompt, Tensor) else type(prompt).__name__}")

@@ -46,16 +46,16 @@ class Case(NamedTuple):
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--method", choices=METHODS, default="both", help="perturbation, float64 jacobian, or both")
     p.add_argument("--atol", type=float, default=0.0, help="dependence up to this size counts as none")
-    p.add_argument("--seq-len", type=int, default=16, help="sequence length T of the built-in cases")
+    p.add_argument("--seq-len", type=int, default=16, help="sequence length T of every audit")
     p.add_argument("--ckpt", metavar="RUN", default=None,
                    help="audit only a trained GPT: a run folder (its newest checkpoint) or a checkpoint file")
     p.add_argument("--module", metavar="PKG.MOD:FACTORY", default=None,
                    help="audit only the module returned by this factory (called with no arguments)")
     p.add_argument("--shape", default=None,
-                   help="example shape for --module: B,T,C for embeddings, B,T for token ids "
-                        "(default 2,T and C from the module's first Linear or LayerNorm)")
+                   help="for --module: B,T,C for embeddings or B,T for token ids; unset: B=2, T=--seq-len, "
+                        "C from the module's first Linear or LayerNorm")
     p.add_argument("--window", type=int, default=None,
-                   help="for --module: also forbid inputs at or beyond this window (one attention layer)")
+                   help="for --module: also forbid inputs WINDOW or more positions back (one sliding-window layer)")
     p.add_argument("--seed", type=int, default=0, help="torch.manual_seed before building modules and inputs")
 
 
@@ -73,7 +73,7 @@ def main(args: argparse.Namespace) -> int:
     else:
         cases = list(_builtin_cases(args.seq_len, audit))
     print(f"selfattn check: method={args.method}, atol={args.atol:g}, seed={args.seed}")
-    print(f"{'case':<30} {'method':<9} {'result':<9} {'max leak':<17} {'dead':<8} time")
+    print(f"{'case':<30} {'method':<9} {'result':<9} {'leak (per | jac)':<17} {'dead':<8} time")
     failed = 0
     for case in cases:
         start = time.perf_counter()
@@ -97,7 +97,8 @@ def _line(name: str, report: CausalityReport | CacheReport, ms: float) -> str:
     else:
         result = "ok" if report.ok else "LEAK" if report.leaks else "NON-FINITE"
         leak = " | ".join(f"{v:.2g}" for v in report.max_leak.values())
-        method = "+".join(m[:3] for m in report.dependence) if len(report.dependence) > 1 else next(iter(report.dependence))
+        names = list(report.dependence)
+        method = "+".join(m[:3] for m in names) if len(names) > 1 else names[0]
         dead = ",".join(map(str, report.dead)) or "-"
     return f"{name:<30} {method:<9} {result:<9} {leak:<17} {dead:<8} {ms:6.0f} ms"
 

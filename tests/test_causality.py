@@ -159,22 +159,22 @@ def pairs(report, method):
 
 # --- negative controls: each broken module is caught, its first leak named --------------------
 
-BROKEN = {  # module -> every leaking (output, input) pair, for T positions
-    "no mask": (NoMask(), upper(T)),
-    "mask after softmax": (MaskAfterSoftmax(), upper(T)),
-    "diagonal dropped, finite fill": (DropsDiagonal(fill=-1e9), {(0, j) for j in range(1, T)}),  # row 0 only
-    "i sees i+1": (SeesNext(), {(i, i + 1) for i in range(T - 1)}),
-    "mean over time": (MeanOverTime(), upper(T)),
-    "layernorm over time": (NormOverTime(), upper(T)),
-    "batchnorm, batch statistics": (BatchNormOverTime(track_running_stats=False), upper(T)),
-    "conv padded on the right": (Conv(pad_left=False), upper(T) - upper(T, 3)),  # sees i + 1 and i + 2
+BROKEN = {  # name -> (the broken module, every (output, input) pair it leaks for T positions)
+    "no mask": (NoMask, upper(T)),
+    "mask after softmax": (MaskAfterSoftmax, upper(T)),
+    "diagonal dropped, finite fill": (lambda: DropsDiagonal(fill=-1e9), {(0, j) for j in range(1, T)}),  # row 0 only
+    "i sees i+1": (SeesNext, {(i, i + 1) for i in range(T - 1)}),
+    "mean over time": (MeanOverTime, upper(T)),
+    "layernorm over time": (NormOverTime, upper(T)),
+    "batchnorm, batch statistics": (lambda: BatchNormOverTime(track_running_stats=False), upper(T)),
+    "conv padded on the right": (lambda: Conv(pad_left=False), upper(T) - upper(T, 3)),  # sees i + 1 and i + 2
 }
 
 
 @pytest.mark.parametrize("name", BROKEN)
 def test_broken_modules_are_caught_with_the_first_leak_named(name):
-    module, expected = BROKEN[name]
-    report = check_causal(module, example())
+    build, expected = BROKEN[name]
+    report = check_causal(build(), example())
     assert not report.ok
     assert report.first_leak[:2] == (0, 1)  # output 0 sees input 1: the earliest leak there is
     assert "LEAK" in str(report) and "first leak: output 0 depends on input 1" in str(report)
@@ -185,10 +185,11 @@ def test_broken_modules_are_caught_with_the_first_leak_named(name):
 
 def test_leaks_are_sorted_largest_first_within_each_method():
     report = check_causal(NoMask(), example())
+    n = T * (T - 1) // 2
+    assert [k.method for k in report.leaks] == ["perturb"] * n + ["jacobian"] * n
     for method in ("perturb", "jacobian"):
         sizes = [k.size for k in report.leaks if k.method == method]
-        assert sizes == sorted(sizes, reverse=True) and len(sizes) == T * (T - 1) // 2
-    assert [k.method for k in report.leaks] == sorted((k.method for k in report.leaks), key=["perturb", "jacobian"].index)
+        assert sizes == sorted(sizes, reverse=True) and sizes[-1] > 0
 
 
 def test_mask_dropping_the_diagonal_with_minus_inf_gives_a_nan_row():
@@ -411,12 +412,11 @@ def tiny_gpt(**config):
 
 @pytest.mark.parametrize("config", [{}, {"pos": "rope", "n_kv_head": 1, "window": 4}])
 def test_cache_agrees_with_the_full_forward(config):
-    gpt, prompt = tiny_gpt(**config).train(), torch.randint(0, 32, (2, 5))
+    gpt, prompt = tiny_gpt(dropout=0.2, **config).train(), torch.randint(0, 32, (2, 5))  # dropout: eval is a must
     report = check_cache(gpt, prompt, 8)
     assert report.ok and report.first_step is None and report.first_layer is None, str(report)
     assert report.errors.shape == (8, 5) and report.rtol == 16 * torch.finfo(torch.float32).eps
     assert report.layers == ("embeddings", "block 0", "block 1", "block 2", "logits")
-    assert 0 < report.errors.max() < report.rtol  # the two paths round differently, within tolerance
     assert gpt.training
     greedy = torch.stack(list(gpt.eval().generate(prompt, 8, temperature=0.0)), dim=1)
     assert torch.equal(report.tokens, greedy)
