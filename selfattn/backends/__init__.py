@@ -13,6 +13,7 @@ q ``(B, H, T, D)``, k and v ``(B, Hkv, S, D)``, out ``(B, H, T, D)``, and may ha
 from __future__ import annotations
 
 import importlib
+import sys
 from types import ModuleType
 
 import torch
@@ -27,7 +28,8 @@ def load(name: str) -> ModuleType:
     """The backend module called ``name`` (imported lazily: triton is optional)."""
     if name not in NAMES:
         raise ValueError(f"unknown attention backend {name!r}; choose one of {('auto',) + NAMES}")
-    return importlib.import_module(f"selfattn.backends.{name}")
+    loaded = sys.modules.get(f"selfattn.backends.{name}")  # no import machinery once loaded: torch.compile traces this
+    return loaded if loaded is not None else importlib.import_module(f"selfattn.backends.{name}")
 
 
 def repeat_kv(x: Tensor, n_head: int) -> Tensor:
@@ -54,3 +56,8 @@ def dense_mask(mask: Mask, T: int, S: int, device) -> tuple[Tensor, Tensor | Non
 
 def half(dtype: torch.dtype) -> bool:
     return dtype in (torch.float16, torch.bfloat16)
+
+
+# The pure-PyTorch backends are imported up front so that torch.compile never has to trace an
+# import (``load`` finds them in sys.modules); only the optional triton backend stays lazy.
+from selfattn.backends import math, sdpa, tiled  # noqa: E402,F401  (they import the helpers above)
