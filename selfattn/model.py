@@ -1,0 +1,306 @@
+"""The transformer built on :class:`~selfattn.attention.SelfAttention`: GPT with a KV cache.
+
+The seed's "stack it with a feed-forward block and residuals and you have a transformer":
+token embedding (+ learned positions, or RoPE inside attention), ``n_layer`` pre-norm
+blocks ``x + attn(ln_1(x))``, ``x + mlp(ln_2(x))``, a final LayerNorm, and an LM head tied
+to the token embedding. With ``bias=True`` and learned positions it is GPT-2, weight for
+weight (see :mod:`selfattn.hf`).
+
+Padding. Batches of prompts of different lengths are left-padded and described by an
+``attention_mask`` ``(B, S)`` (1 = real token) over every position, cached ones included.
+Positions count real tokens only (``cumsum(mask) - 1``, 0 on padding), padding keys are
+never attended to, so a padded row computes exactly what the prompt would alone.
+
+Decoding. :meth:`GPT.new_cache` preallocates one :class:`~selfattn.kv_cache.KVCache` per
+layer; a forward with ``cache=`` runs only the new tokens and appends their keys and
+values. :meth:`GPT.generate` prefills the prompt once and then feeds one token per step.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from selfattn.attention import SelfAttention, _check_positive_int, choose_backend
+from selfattn.kv_cache import KVCache
+from selfattn.sampling import check_sampling, next_token
+
+
+@dataclass
+class GPTConfig:
+    vocab_size: int = 256  # V, tokens 0..V-1
+    block_size: int = 256  # the longest sequence (prompt + cache) the model accepts
+    n_layer: int = 4  # number of transformer blocks
+    n_head: int = 4  # H query heads, head_dim D = n_embd / n_head
+    n_embd: int = 128  # C, the residual stream width
+    n_kv_head: int | None = None  # Hkv key/value heads (GQA; 1 = MQA); None = n_head
+    bias: bool = False  # biases in every Linear and LayerNorm (GPT-2: True)
+    dropout: float = 0.0  # on embeddings, attention weights and residual branches, training only
+    pos: str = "learned"  # "learned" absolute position embeddings (GPT-2), or "rope" (rotary, in attention)
+    rope_base: float = 10000.0  # RoPE frequency base, used with pos="rope"
+    window: int | None = None  # sliding-window attention: each token sees its `window` most recent tokens
+    backend: str = "auto"  # attention backend: "auto", "math", "sdpa", "tiled", "triton"
+    mlp: bool = True  # False = attention-only transformer: blocks without MLP and ln_2
+    layer_norm_eps: float = 1e-5  # LayerNorm epsilon (GPT-2: 1e-5)
+    gelu_approximate: str = "tanh"  # GELU in the MLP: "tanh" (GPT-2's "gelu_new") or "none" (exact erf)
+
+    def __post_init__(self):
+        for name in ("vocab_size", "block_size", "n_layer"):
+            _check_positive_int(name, getattr(self, name))
+        if self.pos not in ("learned", "rope"):
+            raise ValueError(f"pos must be 'learned' or 'rope', got {self.pos!r}")
+        if self.gelu_approximate not in ("tanh", "none"):
+            raise ValueError(f"gelu_approximate must be 'tanh' or 'none', got {self.gelu_approximate!r}")
+        if not isinstance(self.layer_norm_eps, (int, float)) or not self.layer_norm_eps > 0:
+            raise ValueError(f"layer_norm_eps must be a positive number, got {self.layer_norm_eps!r}")
+        choose_backend(self.backend)  # raises on an unknown name; head sizes are checked by SelfAttention
+
+
+class MLP(nn.Module):
+    """The feed-forward block: ``Linear(C, 4C)``, GELU, ``Linear(4C, C)``, dropout."""
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        self.gelu = nn.GELU(approximate=config.gelu_approximate)
+        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))  # (B, T, 4C) inside, (B, T, C) out
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: ``x + attn(ln_1(x))`` then ``x + mlp(ln_2(x))``
+    (the second step is absent, with ``ln_2`` and ``mlp`` None, when ``config.mlp`` is False)."""
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_eps, bias=config.bias)
+        self.attn = SelfAttention(config.n_embd, config.n_head, n_kv_head=config.n_kv_head, bias=config.bias,
+                                  dropout=config.dropout, rope=config.pos == "rope", rope_base=config.rope_base,
+                                  window=config.window, backend=config.backend)
+        self.ln_2 = self.mlp = None
+        if config.mlp:
+            self.ln_2 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_eps, bias=config.bias)
+            self.mlp = MLP(config)
+
+    def forward(self, x: Tensor, *, key_padding_mask: Tensor | None = None, positions: Tensor | None = None,
+                cache: KVCache | None = None) -> Tensor:
+        x = x + self.attn(self.ln_1(x), key_padding_mask=key_padding_mask, positions=positions, cache=cache)
+        if self.mlp is not None:
+            x = x + self.mlp(self.ln_2(x))
+        return x
+
+
+class GPT(nn.Module):
+    """A GPT language model, ``idx (B, T) -> logits (B, T, V)``; see the module docstring."""
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        if not isinstance(config, GPTConfig):
+            raise TypeError(f"GPT expects a GPTConfig, got {type(config).__name__}")
+        self.config = config
+        self.wte = nn.Embedding(config.vocab_size, config.n_embd)
+        self.wpe = nn.Embedding(config.block_size, config.n_embd) if config.pos == "learned" else None
+        self.drop = nn.Dropout(config.dropout)
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        self.ln_f = nn.LayerNorm(config.n_embd, eps=config.layer_norm_eps, bias=config.bias)
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.lm_head.weight = self.wte.weight  # tied: one (V, C) matrix embeds and un-embeds
+        self._init_weights()
+
+    @torch.no_grad()
+    def _init_weights(self) -> None:
+        """GPT-2: every weight N(0, 0.02), biases 0, LayerNorms 1 and 0, and the two residual
+        projections of each block N(0, 0.02 / sqrt(2 * n_layer)), since 2 * n_layer branches add up."""
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if isinstance(module, nn.Linear) and module.bias is not None:
+                nn.init.zeros_(module.bias)
+        residual_std = 0.02 / math.sqrt(2 * self.config.n_layer)
+        for block in self.blocks:
+            nn.init.normal_(block.attn.proj.weight, mean=0.0, std=residual_std)
+            if block.mlp is not None:
+                nn.init.normal_(block.mlp.c_proj.weight, mean=0.0, std=residual_std)
+
+    def num_params(self, non_embedding: bool = False) -> int:
+        """Number of parameters (the tied embedding/head counted once). ``non_embedding``
+        leaves out the position embeddings; the token embedding stays, as it is also the head."""
+        n = sum(p.numel() for p in self.parameters())
+        if non_embedding and self.wpe is not None:
+            n -= self.wpe.weight.numel()
+        return n
+
+    def new_cache(self, batch_size: int, max_len: int | None = None) -> list[KVCache]:
+        """One empty :class:`KVCache` per layer for ``batch_size`` rows and up to ``max_len``
+        positions (default and maximum ``block_size``), in the model's dtype and device."""
+        max_len = self.config.block_size if max_len is None else max_len
+        _check_positive_int("batch_size", batch_size)
+        _check_positive_int("max_len", max_len)
+        if max_len > self.config.block_size:
+            raise ValueError(f"max_len={max_len} exceeds block_size={self.config.block_size}")
+        w = self.wte.weight
+        return [KVCache(batch_size, block.attn.n_kv_head, max_len, block.attn.head_dim, dtype=w.dtype, device=w.device)
+                for block in self.blocks]
+
+    def forward(self, idx: Tensor, targets: Tensor | None = None, *, attention_mask: Tensor | None = None,
+                cache: Sequence[KVCache] | None = None) -> tuple[Tensor, Tensor | None]:
+        """Logits ``(B, T, V)`` for token ids ``idx`` ``(B, T)``, and the mean cross-entropy
+        against ``targets`` ``(B, T)`` (positions with -100 ignored) when given, else None.
+
+        attention_mask: ``(B, S)`` bool or 0/1 ints over every position, cached ones
+            included (S = cached + T); 0 marks padding. Pass it on every call of a sequence.
+        cache: from :meth:`new_cache`; the T tokens continue the cached ones.
+        """
+        self._check_idx(idx)
+        B, T = idx.shape
+        past = self._check_cache(cache, B, T)
+        mask = None if attention_mask is None else self._check_attention_mask(attention_mask, B, past + T, idx.device)
+        logits = self.lm_head(self._hidden(idx, mask, cache, past))  # (B, T, V)
+        if targets is None:
+            return logits, None
+        if not isinstance(targets, Tensor) or targets.shape != idx.shape or targets.is_floating_point():
+            raise ValueError(f"targets must be an integer tensor shaped like idx {tuple(idx.shape)}, got "
+                             f"{tuple(targets.shape) if isinstance(targets, Tensor) else type(targets).__name__}")
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100)  # (B·T, V)
+        return logits, loss
+
+    def _hidden(self, idx: Tensor, mask: Tensor | None, cache: Sequence[KVCache] | None, past: int) -> Tensor:
+        """The final hidden states ``(B, T, C)`` after ``ln_f``; inputs already validated."""
+        T = idx.shape[1]
+        if mask is None:
+            positions = torch.arange(past, past + T, device=idx.device)  # (T,)
+        else:
+            positions = (mask.cumsum(dim=-1)[:, -T:] - 1).clamp(min=0)  # (B, T) real tokens before, 0 on padding
+        x = self.wte(idx)  # (B, T, C)
+        if self.wpe is not None:
+            x = x + self.wpe(positions)  # (T or B·T, C) broadcast over (B, T, C)
+        x = self.drop(x)
+        rope_positions = positions if self.wpe is None else None
+        for i, block in enumerate(self.blocks):
+            x = block(x, key_padding_mask=mask, positions=rope_positions, cache=None if cache is None else cache[i])
+        return self.ln_f(x)
+
+    def generate(self, idx: Tensor, max_new_tokens: int, *, temperature: float = 1.0, top_k: int | None = None,
+                 top_p: float | None = None, eos_token: int | None = None, generator: torch.Generator | None = None,
+                 attention_mask: Tensor | None = None) -> Iterator[Tensor]:
+        """Continue each prompt of ``idx`` ``(B, T)``: an iterator yielding one ``(B,)`` int64
+        tensor of new tokens per step (streaming), at most ``max_new_tokens`` of them.
+
+        temperature: 0 = greedy; otherwise logits / temperature, then ``top_k``, then
+            ``top_p`` (see :mod:`selfattn.sampling`), drawn with ``generator``.
+        eos_token: a row that produces it is finished and yields ``eos_token`` from then on;
+            the iterator stops early once every row has finished.
+        attention_mask: ``(B, T)`` for left-padded prompts (the last column must be real);
+            each row then generates what its prompt would alone.
+
+        Arguments are checked here, before the first step. Decoding runs under
+        ``torch.inference_mode`` in the model's current train/eval mode (call ``model.eval()``
+        first when dropout is on). The prompt plus all but the last new token must fit in
+        ``block_size``.
+        """
+        self._check_idx(idx)
+        B, T = idx.shape
+        _check_count("max_new_tokens", max_new_tokens)
+        check_sampling(temperature, top_k, top_p)
+        if eos_token is not None and (not isinstance(eos_token, int) or not 0 <= eos_token < self.config.vocab_size):
+            raise ValueError(f"eos_token must be a token id in [0, {self.config.vocab_size}), got {eos_token!r}")
+        total = T + max_new_tokens - 1  # positions the model sees: the last new token is never fed back
+        if total > self.config.block_size:
+            raise ValueError(f"prompt of {T} tokens + {max_new_tokens} new tokens needs {total} positions, "
+                             f"more than block_size={self.config.block_size}")
+        mask = None
+        if attention_mask is not None:
+            prompt_mask = self._check_attention_mask(attention_mask, B, T, idx.device)
+            if not prompt_mask[:, -1].all():
+                raise ValueError("generate needs left padding: the last prompt position of every row must be "
+                                 "a real token (attention_mask[:, -1] == 1)")
+            if not prompt_mask.all():  # without padding the mask would only cost time
+                mask = torch.ones(B, max(total, T), dtype=torch.bool, device=idx.device)  # (B, S_max)
+                mask[:, :T] = prompt_mask
+        sample = dict(temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
+        return self._decode(idx, max_new_tokens, mask, eos_token, sample)
+
+    @torch.inference_mode()
+    def _decode(self, idx: Tensor, max_new_tokens: int, mask: Tensor | None, eos_token: int | None,
+                sample: dict) -> Iterator[Tensor]:
+        """The generation loop over validated arguments; ``mask`` ``(B, S_max)`` or None."""
+        if max_new_tokens == 0:
+            return
+        B, T = idx.shape
+        cache = self.new_cache(B, T + max_new_tokens - 1)
+        finished = None if eos_token is None else torch.zeros(B, dtype=torch.bool, device=idx.device)  # (B,)
+        h = self._hidden(idx, None if mask is None else mask[:, :T], cache, 0)[:, -1]  # (B, C) prefill
+        for step in range(max_new_tokens):
+            tok = next_token(self.lm_head(h), **sample)  # (B,)
+            if finished is not None:
+                tok = tok.masked_fill(finished, eos_token)
+                finished |= tok == eos_token
+            yield tok
+            if step == max_new_tokens - 1 or (finished is not None and bool(finished.all())):
+                return
+            S = T + step + 1  # positions after feeding this token
+            h = self._hidden(tok[:, None], None if mask is None else mask[:, :S], cache, S - 1)[:, -1]  # (B, C)
+
+    def _check_idx(self, idx) -> None:
+        if not isinstance(idx, Tensor):
+            raise TypeError(f"idx must be a tensor of token ids, got {type(idx).__name__}")
+        if idx.dim() != 2:
+            raise ValueError(f"idx must have shape (B, T), got {tuple(idx.shape)}")
+        if idx.is_floating_point() or idx.is_complex() or idx.dtype == torch.bool:
+            raise TypeError(f"idx must be an integer tensor of token ids, got dtype {idx.dtype}")
+        if idx.shape[1] == 0:
+            raise ValueError(f"idx must hold at least one token per row, got shape {tuple(idx.shape)}")
+        bad = (idx < 0) | (idx >= self.config.vocab_size)  # (B, T)
+        if bad.any():
+            raise ValueError(f"token ids must be in [0, vocab_size={self.config.vocab_size}), got "
+                             f"{idx[bad].unique()[:8].tolist()}")
+
+    def _check_cache(self, cache, B: int, T: int) -> int:
+        """Validate ``cache`` against a batch of B rows and T new tokens; return the cached length."""
+        past = 0
+        if cache is not None:
+            if not isinstance(cache, Sequence) or len(cache) != len(self.blocks) or \
+                    not all(isinstance(c, KVCache) for c in cache):
+                raise TypeError(f"cache must be the list of {len(self.blocks)} KVCache from model.new_cache(), "
+                                f"got {type(cache).__name__}")
+            head = cache[0]
+            if head.k.shape[0] != B or head.k.dtype != self.wte.weight.dtype or head.k.device != self.wte.weight.device:
+                raise ValueError(f"cache is for batch {head.k.shape[0]}, {head.k.dtype} on {head.k.device}; "
+                                 f"this call has batch {B} and the model is {self.wte.weight.dtype} "
+                                 f"on {self.wte.weight.device}")
+            past = head.length
+            if past + T > head.max_len:
+                raise ValueError(f"cache overflow: {past} cached + {T} new tokens > max_len={head.max_len}; "
+                                 f"use a larger cache or reset() it")
+        if past + T > self.config.block_size:
+            raise ValueError(f"sequence of {past + T} tokens ({past} cached + {T} new) is longer than "
+                             f"block_size={self.config.block_size}")
+        return past
+
+    @staticmethod
+    def _check_attention_mask(mask, B: int, S: int, device) -> Tensor:
+        """The mask as bool ``(B, S)`` on ``device``; S counts cached and new positions."""
+        if not isinstance(mask, Tensor):
+            raise TypeError(f"attention_mask must be a tensor, got {type(mask).__name__}")
+        if mask.shape != (B, S):
+            raise ValueError(f"attention_mask must have shape (B={B}, S={S}) covering cached and new tokens, "
+                             f"got {tuple(mask.shape)}")
+        if mask.is_floating_point() or mask.is_complex():
+            raise TypeError(f"attention_mask must be bool or 0/1 integers, got dtype {mask.dtype}")
+        if mask.dtype != torch.bool:
+            if ((mask != 0) & (mask != 1)).any():
+                raise ValueError(f"attention_mask must hold only 0 and 1, got values {mask.unique()[:8].tolist()}")
+            mask = mask.bool()
+        return mask.to(device)
+
+
+def _check_count(name: str, value) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"{name} must be a non-negative int, got {value!r}")

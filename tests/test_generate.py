@@ -1,0 +1,231 @@
+"""KV-cache decoding equals the full forward; generate streams, samples and stops correctly."""
+import pytest
+import torch
+
+from selfattn.kv_cache import KVCache
+from selfattn.sampling import next_token, top_k_filter, top_p_filter
+from test_model import BACKENDS, VARIANTS, left_pad, scrambled, small
+
+INF = float("inf")
+SPLITS = {"token-by-token": [5] + [1] * 11, "chunks": [4, 3, 1, 5, 3]}  # prefill, then the rest; 16 tokens
+
+
+def decode(model, idx, splits, mask=None, cache=None):
+    """Logits ``(B, T, V)`` from feeding idx through a KV cache in pieces of the given sizes."""
+    cache = model.new_cache(idx.shape[0]) if cache is None else cache
+    out, start = [], 0
+    for n in splits:
+        m = None if mask is None else mask[:, :start + n]
+        out.append(model(idx[:, start:start + n], attention_mask=m, cache=cache)[0])
+        start += n
+    assert start == idx.shape[1]
+    return torch.cat(out, dim=1)
+
+
+@pytest.mark.parametrize("split", SPLITS)
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_cached_decoding_equals_full_forward(variant, backend, split):
+    model = scrambled(small(backend=backend, **VARIANTS[variant]))
+    idx = torch.randint(0, 61, (2, 16))
+    full, _ = model(idx)
+    cached = decode(model, idx, SPLITS[split])
+    torch.testing.assert_close(cached, full, rtol=0, atol=1e-5)
+    assert torch.equal(cached.argmax(-1), full.argmax(-1))  # the greedy choice at every step
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("variant", ["learned", "rope-gqa-window-bias"])
+def test_cached_decoding_with_left_padding(variant, backend):
+    model = scrambled(small(backend=backend, **VARIANTS[variant]))
+    idx, mask = left_pad([torch.randint(1, 61, (n,)) for n in (16, 9, 12)])
+    full, _ = model(idx, attention_mask=mask)
+    cached = decode(model, idx, SPLITS["token-by-token"], mask)
+    real = mask.bool()
+    torch.testing.assert_close(cached[real], full[real], rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_unused_cache_slots_are_never_read(backend):
+    model = scrambled(small(backend=backend, **VARIANTS["rope-gqa-window-bias"]))
+    idx = torch.randint(0, 61, (2, 10))
+    full, _ = model(idx)
+    cache = model.new_cache(2)
+    for layer in cache:
+        layer.k.fill_(float("nan"))
+        layer.v.fill_(float("nan"))
+    cached = decode(model, idx, [3, 1, 4, 2], cache=cache)
+    assert torch.isfinite(cached).all()
+    torch.testing.assert_close(cached, full, rtol=0, atol=1e-5)
+    cache[0].length = 11  # negative control: one NaN slot made live poisons the next step
+    assert torch.isnan(model(idx[:, :1], cache=cache)[0]).any()
+
+
+def test_cache_reset_reuses_memory():
+    model = scrambled(small())
+    idx = torch.randint(0, 61, (1, 8))
+    cache = model.new_cache(1, max_len=8)
+    first = decode(model, idx, [8], cache=cache)
+    with pytest.raises(ValueError, match="cache overflow: 8 cached"):
+        model(idx[:, :1], cache=cache)
+    storage = cache[0].k.data_ptr()
+    for layer in cache:
+        layer.reset()
+    assert cache[0].length == 0
+    assert torch.equal(decode(model, idx, [8], cache=cache), first)
+    assert cache[0].k.data_ptr() == storage and cache[0].length == 8
+
+
+def test_new_cache_and_bad_caches():
+    model = scrambled(small(n_kv_head=2))
+    cache = model.new_cache(3)
+    assert len(cache) == 2 and all(isinstance(c, KVCache) for c in cache)
+    assert cache[0].k.shape == (3, 2, 24, 8) and cache[0].k.dtype == torch.float32
+    assert model.double().new_cache(1, max_len=5)[1].v.shape == (1, 2, 5, 8)
+    assert model.new_cache(1)[0].k.dtype == torch.float64
+    with pytest.raises(ValueError, match="max_len=25 exceeds block_size=24"):
+        model.new_cache(1, max_len=25)
+    with pytest.raises(ValueError, match="batch_size must be positive, got 0"):
+        model.new_cache(0)
+    idx = torch.zeros(2, 3, dtype=torch.long)
+    with pytest.raises(ValueError, match="cache is for batch 3, torch.float32"):
+        model(idx, cache=cache)
+    with pytest.raises(TypeError, match="list of 2 KVCache"):
+        model(idx, cache=model.new_cache(2)[:1])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_greedy_generation_equals_recomputing_the_prefix(variant, backend):
+    model = scrambled(small(backend=backend, **VARIANTS[variant]))
+    idx = torch.randint(0, 61, (2, 5))
+    stream = model.generate(idx, 8, temperature=0)
+    assert iter(stream) is stream  # a lazy iterator: tokens arrive one step at a time
+    tokens = list(stream)
+    assert len(tokens) == 8 and all(t.shape == (2,) and t.dtype == torch.long for t in tokens)
+    seq = idx
+    with torch.no_grad():
+        for _ in range(8):
+            seq = torch.cat([seq, model(seq)[0][:, -1].argmax(-1, keepdim=True)], dim=1)
+    assert torch.equal(torch.stack(tokens, 1), seq[:, 5:])
+
+
+@pytest.mark.parametrize("variant", ["learned", "rope-gqa-window-bias"])
+def test_padded_batch_generates_what_each_prompt_generates_alone(variant):
+    model = scrambled(small(**VARIANTS[variant]))
+    prompts = [torch.randint(1, 61, (n,)) for n in (2, 7, 4)]
+    idx, mask = left_pad(prompts)
+    batched = torch.stack(list(model.generate(idx, 9, temperature=0, attention_mask=mask)), 1)
+    for i, p in enumerate(prompts):
+        alone = torch.stack(list(model.generate(p[None], 9, temperature=0)), 1)
+        assert torch.equal(batched[i], alone[0]), i
+    unmasked = torch.stack(list(model.generate(idx, 9, temperature=0)), 1)
+    assert not torch.equal(unmasked, batched)  # negative control: padding unmasked changes the output
+
+
+def test_top_k_filter_on_a_hand_made_distribution():
+    logits = torch.tensor([[1.0, 4.0, 3.0, 2.0, 0.5], [2.0, 2.0, 1.0, 2.0, 0.0]])
+    assert torch.equal(top_k_filter(logits, 2), torch.tensor([[-INF, 4.0, 3.0, -INF, -INF],
+                                                             [2.0, 2.0, -INF, 2.0, -INF]]))  # ties kept
+    assert torch.equal(top_k_filter(logits, 1)[0], torch.tensor([-INF, 4.0, -INF, -INF, -INF]))
+    assert torch.equal(top_k_filter(logits, 5), logits) and torch.equal(top_k_filter(logits, 50), logits)
+
+
+def test_top_p_filter_on_a_hand_made_distribution():
+    probs = torch.tensor([[0.1, 0.5, 0.25, 0.15], [0.97, 0.01, 0.01, 0.01]])
+    logits = probs.log()
+    keep = {0.3: [[0, 1, 0, 0], [1, 0, 0, 0]],  # 0.5 alone already reaches 0.3
+            0.6: [[0, 1, 1, 0], [1, 0, 0, 0]],  # 0.5 < 0.6 <= 0.75
+            0.8: [[0, 1, 1, 1], [1, 0, 0, 0]],  # 0.75 < 0.8 <= 0.9
+            0.95: [[1, 1, 1, 1], [1, 0, 0, 0]],
+            0.975: None,  # 0.97 < 0.975 <= 0.98: one of the three tied tail tokens joins the 0.97
+            1.0: [[1, 1, 1, 1], [1, 1, 1, 1]]}
+    for p, expected in keep.items():
+        got = top_p_filter(logits, p)
+        kept = torch.isfinite(got)
+        if expected is None:
+            assert kept[0].all() and kept[1, 0] and kept[1].sum() == 2, kept
+            continue
+        assert torch.equal(kept, torch.tensor(expected, dtype=torch.bool)), (p, kept)
+        assert torch.equal(got[kept], logits[kept])  # kept logits untouched
+
+
+def test_sampling_follows_the_filtered_distribution():
+    logits = torch.tensor([0.0, 1.0, 2.0, 3.0, -1.0]).repeat(4000, 1)  # (B=4000, V=5): many draws at once
+    g = torch.Generator().manual_seed(0)
+
+    def freq(**kw):
+        return torch.bincount(next_token(logits, generator=g, **kw), minlength=5).float() / 4000
+
+    def expected(x):
+        return torch.softmax(x, -1)
+
+    row = logits[0]
+    torch.testing.assert_close(freq(), expected(row), rtol=0, atol=0.03)
+    torch.testing.assert_close(freq(temperature=0.5), expected(row / 0.5), rtol=0, atol=0.03)
+    torch.testing.assert_close(freq(top_k=2), expected(top_k_filter(row, 2)), rtol=0, atol=0.03)
+    p = freq(top_p=0.7)  # probs 0.64, 0.24, ...: the top two tokens hold 0.88 >= 0.7
+    assert p[[0, 1, 4]].sum() == 0 and abs(p[3].item() - 0.64 / 0.88) < 0.03
+    assert torch.equal(next_token(logits[:3], temperature=0), torch.tensor([3, 3, 3]))
+    assert torch.equal(next_token(logits[:3], top_k=1, generator=g), torch.tensor([3, 3, 3]))
+
+
+def test_generator_makes_sampling_reproducible():
+    model = scrambled(small())
+    idx = torch.randint(0, 61, (2, 4))
+
+    def run(seed):
+        return torch.stack(list(model.generate(idx, 12, temperature=1.5, top_k=20, top_p=0.95,
+                                               generator=torch.Generator().manual_seed(seed))), 1)
+
+    assert torch.equal(run(1), run(1))
+    assert not torch.equal(run(1), run(2))
+
+
+def test_eos_finishes_rows_and_the_stream():
+    model = scrambled(small())
+    idx = torch.randint(0, 61, (2, 4))
+
+    def run(prompt, **kw):  # sampled, so rows are diverse; the same draws with or without eos
+        g = torch.Generator().manual_seed(0)
+        return torch.stack(list(model.generate(prompt, 10, temperature=2.0, generator=g, **kw)), 1)
+
+    def first_new(row, avoid):  # (step, token) of the first token new to the row and absent from avoid
+        return next((s, t) for s, t in enumerate(row.tolist()) if s > 0 and t not in row[:s] and t not in avoid)
+
+    free = run(idx)
+    stop, eos = first_new(free[0], free[1])
+    got = run(idx, eos_token=eos)
+    assert stop < 9 and got.shape == (2, 10)
+    assert torch.equal(got[0, :stop + 1], free[0, :stop + 1]) and torch.all(got[0, stop:] == eos)  # then only eos
+    assert torch.equal(got[1], free[1])  # the other row is unaffected
+    stop, eos = first_new(run(idx[:1])[0], [])
+    alone = run(idx[:1], eos_token=eos)
+    assert alone.shape == (1, stop + 1) and alone[0, -1] == eos  # every row finished: the stream ended
+
+
+def test_generate_runs_in_inference_mode_and_max_new_tokens_zero():
+    model = scrambled(small())
+    idx = torch.randint(0, 61, (1, 4))
+    tok = next(model.generate(idx, 3))
+    assert tok.is_inference() and not tok.requires_grad
+    assert list(model.generate(idx, 0)) == []
+    assert len(list(model.generate(torch.zeros(1, 20, dtype=torch.long), 5, temperature=0))) == 5  # 24 positions
+
+
+@pytest.mark.parametrize("kw,words", [
+    ({"temperature": -1.0}, ["temperature", "-1.0"]),
+    ({"top_k": 0}, ["top_k", "0"]),
+    ({"top_p": 1.5}, ["top_p", "1.5"]),
+    ({"eos_token": 61}, ["eos_token", "61"]),
+    ({"max_new_tokens": -1}, ["max_new_tokens", "-1"]),
+    ({"max_new_tokens": 22}, ["4 tokens + 22 new", "25 positions", "block_size=24"]),
+    ({"attention_mask": torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]])}, ["left padding"]),
+    ({"attention_mask": torch.ones(2, 3, dtype=torch.long)}, ["(B=2, S=4)"]),
+])
+def test_bad_generate_arguments_fail_at_the_call(kw, words):
+    kw = {"max_new_tokens": 3, **kw}
+    model = scrambled(small())
+    with pytest.raises(ValueError) as info:
+        model.generate(torch.zeros(2, 4, dtype=torch.long), **kw)  # no next(): checked eagerly
+    assert all(w in str(info.value) for w in words), str(info.value)

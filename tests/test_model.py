@@ -1,0 +1,195 @@
+"""The GPT: structure, initialisation, loss, causality, left padding, and input validation."""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from selfattn import SelfAttention
+from selfattn.model import GPT, GPTConfig
+
+BACKENDS = ["math", "sdpa", "tiled"]
+VARIANTS = {  # name -> GPTConfig overrides
+    "learned": {},
+    "rope": {"pos": "rope"},
+    "gqa-window": {"n_kv_head": 2, "window": 4},
+    "rope-gqa-window-bias": {"pos": "rope", "n_kv_head": 1, "window": 3, "bias": True},
+}
+
+
+def small(**kw) -> GPTConfig:
+    base = dict(vocab_size=61, block_size=24, n_layer=2, n_head=4, n_embd=32)
+    return GPTConfig(**{**base, **kw})
+
+
+def scrambled(config: GPTConfig) -> GPT:
+    """A model with every parameter random and O(1) logits: a wrong position, mask or weight
+    shows up clearly (GPT-2's init leaves LayerNorms at 1/0 and logits near 0)."""
+    model = GPT(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(torch.randn_like(p) * (0.1 if "ln" in name else 0.3) + (1.0 if "ln" in name and "weight" in name else 0.0))
+    return model
+
+
+def test_structure_and_tied_head():
+    model = GPT(small(bias=True))
+    assert len(model.blocks) == 2 and isinstance(model.blocks[0].attn, SelfAttention)
+    assert model.lm_head.weight is model.wte.weight
+    assert model.wpe.weight.shape == (24, 32)
+    assert GPT(small(pos="rope")).wpe is None and GPT(small(pos="rope")).blocks[0].attn.rope
+    attn_only = GPT(small(mlp=False))
+    assert all(b.mlp is None and b.ln_2 is None for b in attn_only.blocks)
+    assert not any("mlp" in n or "ln_2" in n for n, _ in attn_only.named_parameters())
+
+
+@pytest.mark.parametrize("kw", [{}, {"bias": True}, {"pos": "rope"}, {"mlp": False}, {"n_kv_head": 1}])
+def test_num_params_matches_the_formula(kw):
+    cfg = small(**kw)
+    V, L, C, P = cfg.vocab_size, cfg.n_layer, cfg.n_embd, cfg.block_size
+    kv = (cfg.n_kv_head or cfg.n_head) * (C // cfg.n_head)  # Hkv·D
+    ln = 2 * C if cfg.bias else C
+    attn = C * (C + 2 * kv) + C * C + ((C + 2 * kv) + C if cfg.bias else 0)
+    mlp = 8 * C * C + (5 * C if cfg.bias else 0) + ln if cfg.mlp else 0
+    pos = P * C if cfg.pos == "learned" else 0
+    expected = V * C + pos + L * (ln + attn + mlp) + ln  # the tied head adds nothing
+    model = GPT(cfg)
+    assert model.num_params() == expected
+    assert model.num_params(non_embedding=True) == expected - pos
+
+
+def test_gpt2_initialisation():
+    torch.manual_seed(1)
+    model = GPT(GPTConfig(vocab_size=512, block_size=64, n_layer=8, n_head=4, n_embd=256, bias=True))
+    residual = 0.02 / math.sqrt(2 * 8)
+    for block in model.blocks:
+        for w, std in ((block.attn.qkv.weight, 0.02), (block.mlp.c_fc.weight, 0.02),
+                       (block.attn.proj.weight, residual), (block.mlp.c_proj.weight, residual)):
+            assert abs(w.std().item() / std - 1) < 0.03 and abs(w.mean().item()) < 0.1 * std
+        assert torch.all(block.attn.qkv.bias == 0) and torch.all(block.ln_1.weight == 1)
+    assert abs(model.wte.weight.std().item() / 0.02 - 1) < 0.03
+    assert abs(model.wpe.weight.std().item() / 0.02 - 1) < 0.03
+
+
+def test_logits_and_loss():
+    model = scrambled(small())
+    idx = torch.randint(0, 61, (3, 10))
+    targets = torch.randint(0, 61, (3, 10))
+    logits, loss = model(idx, targets)
+    assert logits.shape == (3, 10, 61) and model(idx)[1] is None
+    torch.testing.assert_close(loss, F.cross_entropy(logits.reshape(30, 61), targets.reshape(30)))
+    ignored = targets.clone()
+    ignored[:, :4] = -100  # e.g. padding or the prompt
+    _, partial = model(idx, ignored)
+    torch.testing.assert_close(partial, F.cross_entropy(logits[:, 4:].reshape(18, 61), targets[:, 4:].reshape(18)))
+    assert not torch.isclose(partial, loss)  # negative control: ignoring did change the loss
+
+
+def test_training_steps_reduce_the_loss():
+    model = GPT(small(dropout=0.1))
+    idx = torch.arange(20).remainder(7)[None].repeat(4, 1)  # a periodic sequence, learnable
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    first = None
+    for _ in range(30):
+        _, loss = model(idx[:, :-1], idx[:, 1:])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        first = loss.item() if first is None else first
+    assert loss.item() < 0.5 * first
+    assert model.wte.weight.grad is not None and model.wte.weight.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_model_is_causal(variant):
+    model = scrambled(small(**VARIANTS[variant]))
+    idx = torch.randint(0, 61, (2, 12))
+    logits, _ = model(idx)
+    for t in (0, 5, 11):
+        changed = idx.clone()
+        changed[:, t] = (changed[:, t] + 1) % 61
+        moved, _ = model(changed)
+        assert torch.equal(moved[:, :t], logits[:, :t]), f"token {t} leaked into earlier logits"
+        assert (moved[:, t] - logits[:, t]).abs().amax() > 1e-3
+
+
+def left_pad(prompts: list[torch.Tensor], pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-pad 1-D prompts into idx (B, T) and attention_mask (B, T)."""
+    T = max(len(p) for p in prompts)
+    idx = torch.full((len(prompts), T), pad, dtype=torch.long)
+    mask = torch.zeros(len(prompts), T, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        idx[i, T - len(p):], mask[i, T - len(p):] = p, 1
+    return idx, mask
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_left_padded_batch_equals_each_prompt_alone(variant, backend):
+    model = scrambled(small(backend=backend, **VARIANTS[variant]))
+    prompts = [torch.randint(1, 61, (n,)) for n in (3, 9, 6)]
+    idx, mask = left_pad(prompts, pad=5)
+    batched, _ = model(idx, attention_mask=mask)
+    for i, p in enumerate(prompts):
+        alone, _ = model(p[None])
+        torch.testing.assert_close(batched[i, -len(p):], alone[0], rtol=0, atol=1e-5)
+    unmasked, _ = model(idx)  # negative control: without the mask the padding does change the logits
+    assert (unmasked[0, -3:] - batched[0, -3:]).abs().amax() > 1e-2
+    assert torch.equal(model(idx, attention_mask=mask.bool())[0], batched)  # bool and 0/1 masks agree
+
+
+def test_too_long_is_a_clear_error():
+    model = GPT(small())
+    model(torch.zeros(1, 24, dtype=torch.long))  # exactly block_size is fine
+    with pytest.raises(ValueError, match=r"25 tokens .* block_size=24"):
+        model(torch.zeros(1, 25, dtype=torch.long))
+    cache = model.new_cache(1)
+    model(torch.zeros(1, 20, dtype=torch.long), cache=cache)
+    with pytest.raises(ValueError, match=r"20 cached \+ 5 new"):
+        model(torch.zeros(1, 5, dtype=torch.long), cache=cache)
+    assert cache[0].length == 20  # the failed call wrote nothing
+
+
+@pytest.mark.parametrize("idx,error,words", [
+    (torch.zeros(5, dtype=torch.long), ValueError, ["(B, T)", "(5,)"]),
+    (torch.zeros(1, 5), TypeError, ["integer", "float32"]),
+    (torch.tensor([[1, 61, 2, 99]]), ValueError, ["vocab_size=61", "[61, 99]"]),
+    (torch.tensor([[-1, 3]]), ValueError, ["[-1]"]),
+    (torch.zeros(2, 0, dtype=torch.long), ValueError, ["at least one token", "(2, 0)"]),
+    ([[1, 2]], TypeError, ["tensor", "list"]),
+])
+def test_bad_idx(idx, error, words):
+    with pytest.raises(error) as info:
+        GPT(small())(idx)
+    assert all(w in str(info.value) for w in words), str(info.value)
+
+
+@pytest.mark.parametrize("mask,error,words", [
+    (torch.ones(2, 4, dtype=torch.long), ValueError, ["(B=2, S=5)", "(2, 4)"]),
+    (torch.full((2, 5), 2), ValueError, ["0 and 1", "[2]"]),
+    (torch.ones(2, 5), TypeError, ["float32"]),
+])
+def test_bad_attention_mask(mask, error, words):
+    with pytest.raises(error) as info:
+        GPT(small())(torch.ones(2, 5, dtype=torch.long), attention_mask=mask)
+    assert all(w in str(info.value) for w in words), str(info.value)
+
+
+def test_bad_targets():
+    with pytest.raises(ValueError, match=r"shaped like idx \(2, 5\), got \(2, 4\)"):
+        GPT(small())(torch.ones(2, 5, dtype=torch.long), torch.ones(2, 4, dtype=torch.long))
+
+
+@pytest.mark.parametrize("kw,error,words", [
+    ({"pos": "alibi"}, ValueError, ["'alibi'"]),
+    ({"gelu_approximate": "erf"}, ValueError, ["'erf'"]),
+    ({"vocab_size": 0}, ValueError, ["vocab_size", "0"]),
+    ({"block_size": 8.0}, TypeError, ["block_size", "8.0"]),
+    ({"backend": "fast"}, ValueError, ["'fast'"]),
+    ({"layer_norm_eps": 0}, ValueError, ["layer_norm_eps", "0"]),
+    ({"n_embd": 30}, ValueError, ["n_embd=30", "n_head=4"]),
+])
+def test_bad_config(kw, error, words):
+    with pytest.raises(error) as info:
+        GPT(small(**kw))
+    assert all(w in str(info.value) for w in words), str(info.value)
