@@ -1,0 +1,380 @@
+"""The Triton kernels of the ``triton`` backend: FlashAttention-2 forward and backward.
+
+Imported only by :mod:`selfattn.backends.triton`, which checks that Triton is installed,
+validates the request and launches these. Layouts (any strides): q, o, dq ``(B, H, T, D)``;
+k, v, dk, dv ``(B, Hkv, S, D)``; lse and delta ``(B, H, T)`` float32, contiguous.
+Key padding and document ids ``(B, S)``, indexed by key position.
+
+Conventions inside the kernels:
+- query i sits at key position ``p = S - T + i`` (bottom-right causal alignment);
+- scores live in the exp2 domain: ``s = (q . k) * scale * log2(e)``, so softmax uses
+  ``exp2`` and the saved log-sum-exp ``lse = m + log2(l)`` is in base 2 as well;
+- a row that sees no key keeps ``m = -inf`` and ``l = 0``: its output is 0 and its lse is
+  ``+inf``, so the backward's ``exp2(s - lse)`` is 0 there (never NaN, and no finite
+  sentinel that a fully masked row would turn into weight 1);
+- the head dim D is padded to BLOCK_D (a power of two >= 16) by masked loads;
+- each program visits only the tiles its mask can show, in three ranges: the partly
+  hidden tiles at both ends (mask applied) and the fully visible middle (no mask).
+"""
+import torch
+import triton
+import triton.language as tl
+
+INTERPRET = bool(triton.knobs.runtime.interpret)  # read once, as triton.jit does at decoration
+INTERPRET_BLOCK = 16  # small tiles under the interpreter: short tests still cross many tile edges
+
+# Tile candidates (BLOCK_M, BLOCK_N, num_warps, num_stages) for the GPU autotuner, from the
+# Triton fused-attention tutorial's Hopper search space, kept short because every candidate
+# is compiled once per mask kind, head dim and dtype (seconds each). Retuned per power-of-two
+# bucket of T and of S (a generation loop tunes once per bucket, not once per step); the
+# autotuner adds the tensors' dtypes to the key. T_BUCKET and S_BUCKET are kernel arguments
+# only the autotuner reads. float32 gets one small tile: its IEEE dot products compile to
+# FMA loops, minutes to compile with large tiles (the accuracy path, not the fast one).
+FWD_TILES = [(128, 64, 4, 3), (128, 128, 8, 3), (64, 64, 4, 3)]
+DQ_TILES = [(128, 32, 4, 3), (64, 64, 4, 2)]
+DKDV_TILES = [(32, 128, 4, 3), (64, 64, 4, 2)]
+FLOAT32_TILES = [(32, 32, 4, 2)]
+TUNING_KEY = ["D", "CAUSAL", "HAS_WINDOW", "PER_TOKEN", "T_BUCKET", "S_BUCKET"]
+
+
+def _configs(tiles):
+    """Autotuner configs; under the interpreter one fixed small tile (one config: no benchmarking)."""
+    if INTERPRET:
+        tiles = [(INTERPRET_BLOCK, INTERPRET_BLOCK, 1, 1)]
+    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in tiles]
+
+
+def _prune(configs, named_args, **kwargs):
+    """float32 inputs: only the small tile (see FLOAT32_TILES)."""
+    return _configs(FLOAT32_TILES) if named_args["Q"].dtype == torch.float32 else configs
+
+
+def _autotune(tiles):
+    return triton.autotune(configs=_configs(tiles), key=TUNING_KEY, prune_configs_by={"early_config_prune": _prune})
+
+
+@triton.jit
+def _visible(p, n, KPM, DOC, doc_q, skpm_s, sdoc_s, S, W,
+             CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_KPM: tl.constexpr, HAS_DOC: tl.constexpr):
+    """The mask predicate on a tile: p (query positions) and n (key positions) broadcast
+    against each other; doc_q has p's shape. Rows past the end (p >= S) are hidden too."""
+    ok = (n < S) & (p < S)
+    if CAUSAL:
+        ok = ok & (n <= p)
+    if HAS_WINDOW:
+        ok = ok & (n > p - W)
+    if HAS_KPM:
+        ok = ok & (tl.load(KPM + n * skpm_s, mask=n < S, other=0) != 0)
+    if HAS_DOC:
+        ok = ok & (tl.load(DOC + n * sdoc_s, mask=n < S, other=0) == doc_q)
+    return ok
+
+
+@triton.jit
+def _key_ranges(p_lo, p_hi, S, W, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                PER_TOKEN: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Keys that queries at positions [p_lo, p_hi] may see: [lo, hi), split as
+    [lo, full_lo) partly hidden, [full_lo, full_hi) visible to every query, [full_hi, hi)
+    partly hidden. All bounds are multiples of BLOCK_N except where they equal hi."""
+    lo = 0
+    hi = S
+    full_hi = S // BLOCK_N * BLOCK_N  # a ragged last tile needs the mask
+    if CAUSAL:
+        hi = tl.minimum(hi, p_hi + 1)
+        full_hi = tl.minimum(full_hi, (p_lo + 1) // BLOCK_N * BLOCK_N)
+    full_lo = lo
+    if HAS_WINDOW:
+        lo = tl.maximum(p_lo - W + 1, 0) // BLOCK_N * BLOCK_N
+        full_lo = tl.cdiv(tl.maximum(p_hi - W + 1, 0), BLOCK_N) * BLOCK_N
+    full_lo = tl.minimum(full_lo, hi)
+    if PER_TOKEN:
+        full_hi = full_lo  # padding and documents can hide any key: every tile is masked
+    full_hi = tl.maximum(full_hi, full_lo)
+    return lo, full_lo, full_hi, hi
+
+
+@triton.jit
+def _query_ranges(n0, n1, T, OFF, W, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                  PER_TOKEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Queries (indices i, positions OFF + i) that may see keys [n0, n1): the transpose of
+    :func:`_key_ranges`, split the same way into masked ends and a mask-free middle."""
+    lo = 0
+    hi = T
+    full_lo = 0
+    full_hi = T // BLOCK_M * BLOCK_M  # a ragged last tile needs the mask
+    if CAUSAL:  # the first key is visible from position n0 on; the last one from n1 - 1
+        lo = tl.maximum(n0 - OFF, 0) // BLOCK_M * BLOCK_M
+        full_lo = tl.cdiv(tl.maximum(n1 - 1 - OFF, 0), BLOCK_M) * BLOCK_M
+    if HAS_WINDOW:  # the last key leaves the window after position n1 - 2 + W, the first after n0 - 1 + W
+        hi = tl.minimum(hi, tl.maximum(n1 - 1 + W - OFF, 0))
+        full_hi = tl.minimum(full_hi, tl.maximum(n0 + W - OFF, 0) // BLOCK_M * BLOCK_M)
+    full_lo = tl.minimum(full_lo, hi)
+    if PER_TOKEN:
+        full_hi = full_lo
+    full_hi = tl.where(n1 - n0 == BLOCK_N, full_hi, full_lo)  # a ragged key tile needs the mask
+    full_hi = tl.maximum(full_hi, full_lo)
+    return lo, full_lo, full_hi, hi
+
+
+@triton.jit
+def _fwd_tiles(acc, l_i, m_i, q, p, doc_q, K, V, KPM, DOC, sk_s, sk_d, sv_s, sv_d, skpm_s, sdoc_s,
+               S, W, qk_scale, start, stop, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+               HAS_WINDOW: tl.constexpr, HAS_KPM: tl.constexpr, HAS_DOC: tl.constexpr, D: tl.constexpr,
+               BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Online softmax over the key tiles [start, stop): running max m_i, sum l_i, output acc."""
+    offs_d = tl.arange(0, BLOCK_D)
+    for n0 in range(start, stop, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        kv_mask = offs_d[None, :] < D
+        if MASKED:  # mask-free tiles lie wholly inside [0, S)
+            kv_mask = kv_mask & (n[:, None] < S)
+        k = tl.load(K + n[:, None] * sk_s + offs_d[None, :] * sk_d, mask=kv_mask, other=0.0)  # (BN, BD)
+        v = tl.load(V + n[:, None] * sv_s + offs_d[None, :] * sv_d, mask=kv_mask, other=0.0)  # (BN, BD)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # (BM, BN), exp2 domain
+        if MASKED:
+            ok = _visible(p[:, None], n[None, :], KPM, DOC, doc_q[:, None], skpm_s, sdoc_s, S, W,
+                          CAUSAL, HAS_WINDOW, HAS_KPM, HAS_DOC)
+            s = tl.where(ok, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing seen yet: exp2(-inf) = 0
+        alpha = tl.exp2(m_i - m_use)
+        pr = tl.exp2(s - m_use[:, None])  # (BM, BN)
+        l_i = l_i * alpha + tl.sum(pr, 1)
+        acc = acc * alpha[:, None] + tl.dot(pr.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@_autotune(FWD_TILES)
+@triton.jit
+def fwd_kernel(Q, K, V, O, LSE, KPM, DOC,
+               sq_b, sq_h, sq_t, sq_d, sk_b, sk_h, sk_s, sk_d, sv_b, sv_h, sv_s, sv_d,
+               so_b, so_h, so_t, so_d, skpm_b, skpm_s, sdoc_b, sdoc_s,
+               H, GROUP, T, S, W, qk_scale, T_BUCKET, S_BUCKET,
+               CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_KPM: tl.constexpr, HAS_DOC: tl.constexpr,
+               PER_TOKEN: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One program per (query tile, batch * head): O and LSE for BLOCK_M queries."""
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
+    hk = h // GROUP  # GQA: query head h reads key/value head h // (H / Hkv), nothing copied
+    off = S - T
+    i = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    p = off + i  # query positions on the key axis
+    offs_d = tl.arange(0, BLOCK_D)
+    q_mask = (i[:, None] < T) & (offs_d[None, :] < D)
+    q = tl.load(Q + b * sq_b + h * sq_h + i[:, None] * sq_t + offs_d[None, :] * sq_d, mask=q_mask, other=0.0)
+    K += b * sk_b + hk * sk_h
+    V += b * sv_b + hk * sv_h
+    KPM += b * skpm_b
+    DOC += b * sdoc_b
+    doc_q = tl.zeros([BLOCK_M], dtype=tl.int32)
+    if HAS_DOC:
+        doc_q = tl.load(DOC + p * sdoc_s, mask=i < T, other=0)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    p_lo = off + pid_m * BLOCK_M
+    p_hi = off + tl.minimum(pid_m * BLOCK_M + BLOCK_M, T) - 1
+    lo, full_lo, full_hi, hi = _key_ranges(p_lo, p_hi, S, W, CAUSAL, HAS_WINDOW, PER_TOKEN, BLOCK_N)
+    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, p, doc_q, K, V, KPM, DOC, sk_s, sk_d, sv_s, sv_d, skpm_s,
+                               sdoc_s, S, W, qk_scale, lo, full_lo, True, CAUSAL, HAS_WINDOW, HAS_KPM,
+                               HAS_DOC, D, BLOCK_N, BLOCK_D, DOT_PRECISION)
+    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, p, doc_q, K, V, KPM, DOC, sk_s, sk_d, sv_s, sv_d, skpm_s,
+                               sdoc_s, S, W, qk_scale, full_lo, full_hi, False, CAUSAL, HAS_WINDOW, HAS_KPM,
+                               HAS_DOC, D, BLOCK_N, BLOCK_D, DOT_PRECISION)
+    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, p, doc_q, K, V, KPM, DOC, sk_s, sk_d, sv_s, sv_d, skpm_s,
+                               sdoc_s, S, W, qk_scale, full_hi, hi, True, CAUSAL, HAS_WINDOW, HAS_KPM,
+                               HAS_DOC, D, BLOCK_N, BLOCK_D, DOT_PRECISION)
+
+    empty = l_i == 0.0  # the row saw no key: output 0, lse +inf
+    l_safe = tl.where(empty, 1.0, l_i)
+    o = acc / l_safe[:, None]
+    lse = tl.where(empty, float("inf"), m_i + tl.log2(l_safe))
+    tl.store(O + b * so_b + h * so_h + i[:, None] * so_t + offs_d[None, :] * so_d, o.to(O.dtype.element_ty),
+             mask=q_mask)
+    tl.store(LSE + bh.to(tl.int64) * T + i, lse, mask=i < T)
+
+
+@triton.jit
+def bwd_delta_kernel(O, DO, DELTA, so_b, so_h, so_t, so_d, sdo_b, sdo_h, sdo_t, sdo_d, H, T,
+                     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
+    """delta = rowsum(dO * O), the softmax backward's correction term, per query."""
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
+    i = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (i[:, None] < T) & (offs_d[None, :] < D)
+    o = tl.load(O + b * so_b + h * so_h + i[:, None] * so_t + offs_d[None, :] * so_d, mask=mask, other=0.0)
+    do = tl.load(DO + b * sdo_b + h * sdo_h + i[:, None] * sdo_t + offs_d[None, :] * sdo_d, mask=mask, other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    tl.store(DELTA + bh.to(tl.int64) * T + i, delta, mask=i < T)
+
+
+@triton.jit
+def _dq_tiles(dq, q, do, lse, delta, p, doc_q, K, V, KPM, DOC, sk_s, sk_d, sv_s, sv_d, skpm_s, sdoc_s,
+              S, W, qk_scale, start, stop, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+              HAS_WINDOW: tl.constexpr, HAS_KPM: tl.constexpr, HAS_DOC: tl.constexpr, D: tl.constexpr,
+              BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """dQ (unscaled) over the key tiles [start, stop), recomputing P from the saved lse."""
+    offs_d = tl.arange(0, BLOCK_D)
+    for n0 in range(start, stop, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        kv_mask = offs_d[None, :] < D
+        if MASKED:  # mask-free tiles lie wholly inside [0, S)
+            kv_mask = kv_mask & (n[:, None] < S)
+        k = tl.load(K + n[:, None] * sk_s + offs_d[None, :] * sk_d, mask=kv_mask, other=0.0)  # (BN, BD)
+        v = tl.load(V + n[:, None] * sv_s + offs_d[None, :] * sv_d, mask=kv_mask, other=0.0)  # (BN, BD)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # (BM, BN)
+        if MASKED:
+            ok = _visible(p[:, None], n[None, :], KPM, DOC, doc_q[:, None], skpm_s, sdoc_s, S, W,
+                          CAUSAL, HAS_WINDOW, HAS_KPM, HAS_DOC)
+            s = tl.where(ok, s, float("-inf"))
+        pr = tl.exp2(s - lse[:, None])  # the softmax weights, (BM, BN)
+        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)  # (BM, BN)
+        ds = pr * (dp - delta[:, None])
+        dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION)
+    return dq
+
+
+@_autotune(DQ_TILES)
+@triton.jit
+def bwd_dq_kernel(Q, K, V, DO, DQ, LSE, DELTA, KPM, DOC,
+                  sq_b, sq_h, sq_t, sq_d, sk_b, sk_h, sk_s, sk_d, sv_b, sv_h, sv_s, sv_d,
+                  sdo_b, sdo_h, sdo_t, sdo_d, sdq_b, sdq_h, sdq_t, sdq_d, skpm_b, skpm_s, sdoc_b, sdoc_s,
+                  H, GROUP, T, S, W, scale, qk_scale, T_BUCKET, S_BUCKET,
+                  CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_KPM: tl.constexpr, HAS_DOC: tl.constexpr,
+                  PER_TOKEN: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One program per (query tile, batch * head): dQ for BLOCK_M queries over their key tiles."""
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
+    hk = h // GROUP
+    off = S - T
+    i = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    p = off + i
+    offs_d = tl.arange(0, BLOCK_D)
+    q_mask = (i[:, None] < T) & (offs_d[None, :] < D)
+    q = tl.load(Q + b * sq_b + h * sq_h + i[:, None] * sq_t + offs_d[None, :] * sq_d, mask=q_mask, other=0.0)
+    do = tl.load(DO + b * sdo_b + h * sdo_h + i[:, None] * sdo_t + offs_d[None, :] * sdo_d, mask=q_mask,
+                 other=0.0)
+    lse = tl.load(LSE + bh.to(tl.int64) * T + i, mask=i < T, other=0.0)
+    delta = tl.load(DELTA + bh.to(tl.int64) * T + i, mask=i < T, other=0.0)
+    K += b * sk_b + hk * sk_h
+    V += b * sv_b + hk * sv_h
+    KPM += b * skpm_b
+    DOC += b * sdoc_b
+    doc_q = tl.zeros([BLOCK_M], dtype=tl.int32)
+    if HAS_DOC:
+        doc_q = tl.load(DOC + p * sdoc_s, mask=i < T, other=0)
+
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    p_lo = off + pid_m * BLOCK_M
+    p_hi = off + tl.minimum(pid_m * BLOCK_M + BLOCK_M, T) - 1
+    lo, full_lo, full_hi, hi = _key_ranges(p_lo, p_hi, S, W, CAUSAL, HAS_WINDOW, PER_TOKEN, BLOCK_N)
+    dq = _dq_tiles(dq, q, do, lse, delta, p, doc_q, K, V, KPM, DOC, sk_s, sk_d, sv_s, sv_d, skpm_s, sdoc_s,
+                   S, W, qk_scale, lo, full_lo, True, CAUSAL, HAS_WINDOW, HAS_KPM, HAS_DOC, D, BLOCK_N,
+                   BLOCK_D, DOT_PRECISION)
+    dq = _dq_tiles(dq, q, do, lse, delta, p, doc_q, K, V, KPM, DOC, sk_s, sk_d, sv_s, sv_d, skpm_s, sdoc_s,
+                   S, W, qk_scale, full_lo, full_hi, False, CAUSAL, HAS_WINDOW, HAS_KPM, HAS_DOC, D, BLOCK_N,
+                   BLOCK_D, DOT_PRECISION)
+    dq = _dq_tiles(dq, q, do, lse, delta, p, doc_q, K, V, KPM, DOC, sk_s, sk_d, sv_s, sv_d, skpm_s, sdoc_s,
+                   S, W, qk_scale, full_hi, hi, True, CAUSAL, HAS_WINDOW, HAS_KPM, HAS_DOC, D, BLOCK_N,
+                   BLOCK_D, DOT_PRECISION)
+    dq = dq * scale  # d(scale * q . k)/dq
+    tl.store(DQ + b * sdq_b + h * sdq_h + i[:, None] * sdq_t + offs_d[None, :] * sdq_d, dq.to(DQ.dtype.element_ty),
+             mask=q_mask)
+
+
+@triton.jit
+def _dkdv_tiles(dk, dv, k, v, n, Q, DO, LSE, DELTA, KPM, DOC, sq_t, sq_d, sdo_t, sdo_d, skpm_s, sdoc_s,
+                T, S, W, qk_scale, start, stop, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+                HAS_WINDOW: tl.constexpr, HAS_KPM: tl.constexpr, HAS_DOC: tl.constexpr, D: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """dK (unscaled) and dV of one key tile over the query tiles [start, stop), in the
+    transposed layout (keys on rows, queries on columns)."""
+    offs_d = tl.arange(0, BLOCK_D)
+    for m0 in range(start, stop, BLOCK_M):
+        i = m0 + tl.arange(0, BLOCK_M)
+        q_mask = offs_d[None, :] < D
+        if MASKED:  # mask-free tiles lie wholly inside [0, T)
+            q_mask = q_mask & (i[:, None] < T)
+        q = tl.load(Q + i[:, None] * sq_t + offs_d[None, :] * sq_d, mask=q_mask, other=0.0)  # (BM, BD)
+        do = tl.load(DO + i[:, None] * sdo_t + offs_d[None, :] * sdo_d, mask=q_mask, other=0.0)  # (BM, BD)
+        lse = tl.load(LSE + i, mask=i < T, other=0.0)
+        delta = tl.load(DELTA + i, mask=i < T, other=0.0)
+        s_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * qk_scale  # (BN, BM)
+        if MASKED:
+            p = S - T + i
+            doc_q = tl.zeros([BLOCK_M], dtype=tl.int32)
+            if HAS_DOC:
+                doc_q = tl.load(DOC + p * sdoc_s, mask=i < T, other=0)
+            ok = _visible(p[None, :], n[:, None], KPM, DOC, doc_q[None, :], skpm_s, sdoc_s, S, W,
+                          CAUSAL, HAS_WINDOW, HAS_KPM, HAS_DOC)
+            s_t = tl.where(ok, s_t, float("-inf"))
+        p_t = tl.exp2(s_t - lse[None, :])  # the softmax weights, transposed (BN, BM)
+        dv += tl.dot(p_t.to(do.dtype), do, input_precision=DOT_PRECISION)
+        dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # (BN, BM)
+        ds_t = p_t * (dp_t - delta[None, :])
+        dk += tl.dot(ds_t.to(q.dtype), q, input_precision=DOT_PRECISION)
+    return dk, dv
+
+
+@_autotune(DKDV_TILES)
+@triton.jit
+def bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA, KPM, DOC,
+                    sq_b, sq_h, sq_t, sq_d, sk_b, sk_h, sk_s, sk_d, sv_b, sv_h, sv_s, sv_d,
+                    sdo_b, sdo_h, sdo_t, sdo_d, sdk_b, sdk_h, sdk_s, sdk_d, sdv_b, sdv_h, sdv_s, sdv_d,
+                    skpm_b, skpm_s, sdoc_b, sdoc_s,
+                    H, GROUP, T, S, W, scale, qk_scale, T_BUCKET, S_BUCKET,
+                    CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_KPM: tl.constexpr, HAS_DOC: tl.constexpr,
+                    PER_TOKEN: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One program per (key tile, batch * kv head): dK and dV of BLOCK_N keys, summed over
+    the GROUP query heads that share them (GQA without copies or atomics)."""
+    pid_n = tl.program_id(0)
+    bhk = tl.program_id(1)
+    Hkv = H // GROUP
+    b = (bhk // Hkv).to(tl.int64)
+    hk = (bhk % Hkv).to(tl.int64)
+    n0 = pid_n * BLOCK_N
+    n1 = tl.minimum(n0 + BLOCK_N, S)
+    n = n0 + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    kv_mask = (n[:, None] < S) & (offs_d[None, :] < D)
+    k = tl.load(K + b * sk_b + hk * sk_h + n[:, None] * sk_s + offs_d[None, :] * sk_d, mask=kv_mask, other=0.0)
+    v = tl.load(V + b * sv_b + hk * sv_h + n[:, None] * sv_s + offs_d[None, :] * sv_d, mask=kv_mask, other=0.0)
+    KPM += b * skpm_b
+    DOC += b * sdoc_b
+
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    lo, full_lo, full_hi, hi = _query_ranges(n0, n1, T, S - T, W, CAUSAL, HAS_WINDOW, PER_TOKEN, BLOCK_M, BLOCK_N)
+    for g in range(0, GROUP):
+        h = hk * GROUP + g
+        bh = b * H + h
+        Qh = Q + b * sq_b + h * sq_h
+        DOh = DO + b * sdo_b + h * sdo_h
+        LSEh = LSE + bh * T
+        DELTAh = DELTA + bh * T
+        dk, dv = _dkdv_tiles(dk, dv, k, v, n, Qh, DOh, LSEh, DELTAh, KPM, DOC, sq_t, sq_d,
+                             sdo_t, sdo_d, skpm_s, sdoc_s, T, S, W, qk_scale, lo, full_lo, True, CAUSAL, HAS_WINDOW,
+                             HAS_KPM, HAS_DOC, D, BLOCK_M, BLOCK_D, DOT_PRECISION)
+        dk, dv = _dkdv_tiles(dk, dv, k, v, n, Qh, DOh, LSEh, DELTAh, KPM, DOC, sq_t, sq_d,
+                             sdo_t, sdo_d, skpm_s, sdoc_s, T, S, W, qk_scale, full_lo, full_hi, False, CAUSAL,
+                             HAS_WINDOW, HAS_KPM, HAS_DOC, D, BLOCK_M, BLOCK_D, DOT_PRECISION)
+        dk, dv = _dkdv_tiles(dk, dv, k, v, n, Qh, DOh, LSEh, DELTAh, KPM, DOC, sq_t, sq_d,
+                             sdo_t, sdo_d, skpm_s, sdoc_s, T, S, W, qk_scale, full_hi, hi, True, CAUSAL, HAS_WINDOW,
+                             HAS_KPM, HAS_DOC, D, BLOCK_M, BLOCK_D, DOT_PRECISION)
+    dk = dk * scale
+    tl.store(DK + b * sdk_b + hk * sdk_h + n[:, None] * sdk_s + offs_d[None, :] * sdk_d, dk.to(DK.dtype.element_ty),
+             mask=kv_mask)
+    tl.store(DV + b * sdv_b + hk * sdv_h + n[:, None] * sdv_s + offs_d[None, :] * sdv_d, dv.to(DV.dtype.element_ty),
+             mask=kv_mask)
