@@ -15,6 +15,8 @@ import sys
 # name -> (module, one-line help); modules are imported when the parser is built.
 COMMANDS = {
     "demo": ("selfattn.demo", "the seed's worked example, computed live: shape walk, parameters, causality"),
+    "train": ("selfattn.train", "train a GPT on text (built-in corpus or --data); torchrun for DDP/FSDP; --resume"),
+    "sample": ("selfattn.sample", "stream text from a trained run or a local GPT-2 folder"),
 }
 
 
