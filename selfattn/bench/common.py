@@ -1,0 +1,214 @@
+"""What every benchmark suite shares: the machine, the clock, the matmul ceiling, the
+correctness check, and the files a suite writes.
+
+Timing rules (all suites): pinned threads, a warm-up call of every implementation first,
+then repetitions *interleaved* across implementations (round-robin, the order rotated
+each repetition, so drift and thermal effects spread evenly), and the median reported.
+On an accelerator the device is synchronised before the clock starts and stops.
+"""
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+# Largest tolerated relative error (max |a - b| / max |b|) of an implementation against the
+# reference, per dtype: float32 rounding over a few hundred terms stays near 1e-6; bfloat16
+# keeps 8 bits of mantissa (relative step 2^-8 = 0.4%) and some peers also round the scores.
+TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 5e-2}
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class CorrectnessError(AssertionError):
+    """An implementation disagrees with the reference: no timing of it is trustworthy."""
+
+
+def resolve_device(name: str) -> torch.device:
+    """``"auto"``: the current accelerator (CUDA, ...) when there is one, else the CPU."""
+    if name == "auto":
+        acc = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+        return acc if acc is not None else torch.device("cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError as e:
+        raise ValueError(f"--device {name!r} is not a torch device ({e})") from None
+    if device.type != "cpu" and not (torch.accelerator.is_available()
+                                     and torch.accelerator.current_accelerator().type == device.type):
+        raise ValueError(f"--device {name!r}: no such device on this machine")
+    return device
+
+
+def pin_threads(threads: int | None) -> int:
+    """Fix torch's intra-op thread count (default: every core this process may use)."""
+    if threads is None:
+        threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    if not isinstance(threads, int) or threads <= 0:
+        raise ValueError(f"--threads must be a positive int, got {threads!r}")
+    torch.set_num_threads(threads)
+    return threads
+
+
+def machine(device: torch.device) -> dict:
+    """The machine and library versions, as printed and stored with every result."""
+    info = {"device": str(device), "cpu": _cpu_model(), "cores": os.cpu_count(),
+            "threads": torch.get_num_threads(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "python": platform.python_version(), "platform": platform.platform(), "torch": torch.__version__}
+    for lib in ("transformers", "triton"):
+        try:
+            info[lib] = importlib.metadata.version(lib)
+        except importlib.metadata.PackageNotFoundError:
+            info[lib] = None
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+    return info
+
+
+def describe(info: dict) -> str:
+    gpu = f", {info['gpu']}" if info.get("gpu") else ""
+    return (f"machine: {info['cpu']} ({info['cores']} cores, {info['cpu_capability']}){gpu}; device {info['device']}, "
+            f"{info['threads']} torch threads\nversions: python {info['python']}, torch {info['torch']}, "
+            f"transformers {info['transformers'] or 'not installed'}, triton {info['triton'] or 'not installed'}")
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def sync(device: torch.device) -> None:
+    if device.type != "cpu":
+        torch.accelerator.synchronize()
+
+
+def timed(fn: Callable[[], object], device: torch.device) -> tuple[float, object]:
+    """Seconds one call of ``fn`` takes (device synchronised around it), and its result."""
+    sync(device)
+    start = time.perf_counter()
+    result = fn()
+    sync(device)
+    return time.perf_counter() - start, result
+
+
+def interleaved(fns: dict[str, Callable[[], object]], device: torch.device, *, warmup: int, reps: int,
+                on_warmup: Callable[[str, object], None] | None = None
+                ) -> tuple[dict[str, list[float]], dict[str, str]]:
+    """Time every function ``warmup + reps`` times, round-robin, the order rotated each round.
+
+    The warm-up rounds run in the given order (so a reference listed first runs first) and
+    hand each result to ``on_warmup(name, result)``. A function that runs out of memory is
+    dropped from the rounds. Returns the ``reps`` timings per name, and ``{name: error}``
+    for the dropped ones.
+    """
+    names = list(fns)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    out_of_memory: dict[str, str] = {}
+    for r in range(warmup + reps):
+        live = [name for name in names if name not in out_of_memory]
+        shift = 0 if r < warmup else (r - warmup) % max(len(live), 1)
+        for name in live[shift:] + live[:shift]:
+            try:
+                seconds, result = timed(fns[name], device)
+            except RuntimeError as e:  # torch.OutOfMemoryError is a RuntimeError too
+                if not is_oom(e):
+                    raise
+                out_of_memory[name] = str(e).splitlines()[0]
+                del times[name]
+                if device.type != "cpu":
+                    torch.accelerator.empty_cache()
+                continue
+            if r < warmup:
+                if on_warmup is not None:
+                    on_warmup(name, result)
+            else:
+                times[name].append(seconds)
+            del result
+    return times, out_of_memory
+
+
+def is_oom(e: BaseException) -> bool:
+    """An allocation failure: the accelerator's OutOfMemoryError or the CPU allocator's error."""
+    return isinstance(e, torch.OutOfMemoryError) or "can't allocate memory" in str(e) or "out of memory" in str(e)
+
+
+def median(xs: Sequence[float]) -> float:
+    return statistics.median(xs)
+
+
+def matmul_peak(device: torch.device, dtype: torch.dtype, n: int, reps: int = 5) -> dict:
+    """This machine's own ceiling: GFLOP/s of an (n, n) @ (n, n) matmul, median of ``reps``."""
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    times, _ = interleaved({"matmul": lambda: a @ b}, device, warmup=1, reps=reps)
+    seconds = median(times["matmul"])
+    return {"n": n, "seconds": seconds, "gflops": 2 * n ** 3 / seconds / 1e9}
+
+
+def rel_error(actual: Tensor, expected: Tensor) -> float:
+    """max |actual - expected| / max |expected|, in float64 on the CPU."""
+    a, e = actual.detach().double().cpu(), expected.detach().double().cpu()
+    if a.shape != e.shape:
+        raise CorrectnessError(f"shape {tuple(a.shape)} where the reference has {tuple(e.shape)}")
+    if not torch.isfinite(a).all():
+        return float("inf")
+    return ((a - e).abs().max() / e.abs().max().clamp_min(1e-30)).item()
+
+
+def check_close(what: str, actual: Tensor, expected: Tensor, dtype: torch.dtype) -> float:
+    """Raise :class:`CorrectnessError` unless ``actual`` matches ``expected`` within the
+    tolerance of ``dtype``; return the relative error."""
+    err = rel_error(actual, expected)
+    if not err <= TOLERANCE[dtype]:
+        raise CorrectnessError(f"{what}: relative error {err:.3g} > tolerance {TOLERANCE[dtype]:g} for {dtype}; "
+                               f"refusing to time an implementation that computes something else")
+    return err
+
+
+def write_json(out: Path, name: str, result: dict) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{name}.json"
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    return path
+
+
+def pyplot():
+    """matplotlib's pyplot on the non-interactive Agg backend (optional extra ``viz``)."""
+    try:
+        import matplotlib
+    except ImportError as e:
+        raise ImportError("selfattn bench plots need matplotlib: pip install 'selfattn[viz]'") from e
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """A plain-text table, first column left-aligned, the others right-aligned."""
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+
+    def line(row: Sequence[str]) -> str:
+        return "  ".join(str(c).ljust(w) if i == 0 else str(c).rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
+    return "\n".join([line(header), "  ".join("-" * w for w in widths), *map(line, rows)])
+
+
+def target(text: str, passed: bool | None, measured: str) -> dict:
+    """One line of a suite's targets section; ``passed`` None = not measured in this run."""
+    return {"target": text, "status": "n/a" if passed is None else "PASS" if passed else "MISS", "measured": measured}
+
+
+def format_targets(targets: Sequence[dict]) -> str:
+    return "\n".join(["targets"] + [f"  [{t['status']:>4}] {t['target']}: {t['measured']}" for t in targets])
