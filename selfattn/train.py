@@ -3,8 +3,9 @@
 ``selfattn train --preset tiny --out runs/tiny`` trains on the built-in corpus (Python's own
 documentation) and writes to the run folder: checkpoints (``ckpt-*.safetensors``),
 ``config.json`` (and ``tokenizer.json`` for BPE), ``log.jsonl`` (one record per step and per
-evaluation), ``loss.png`` and the token cache ``tokens/``. ``--resume`` continues from the newest checkpoint exactly: on
-CPU in float32 the losses equal, step for step, those of a run that never stopped.
+evaluation), ``loss.png`` and the token cache ``tokens/``. ``--resume`` continues from the newest
+checkpoint exactly: on CPU in float32 the losses equal, step for step, those of a run that never
+stopped.
 
 Determinism by construction: the rows of step s and its dropout masks come from seeds derived
 from (seed, step, rank), never from a stream consumed by earlier steps, so a checkpoint needs
@@ -13,7 +14,8 @@ no RNG state beyond the integers (seed, step), and any world size reads the same
 Distributed: the same command under ``torchrun --nproc_per_node=N`` (multi-node through
 torchrun's own rendezvous flags) runs DDP over gloo on CPU or NCCL on GPUs; ``--fsdp`` shards
 parameters, gradients and optimizer state with FSDP2 ``fully_shard`` instead. Each rank reads
-its own slice of every batch; rank 0 alone prints and writes.
+its own slice of every batch; rank 0 alone prints and writes. Across machines the run folder
+must be on a disk every rank sees (checkpoints are written by rank 0 and read by all).
 """
 from __future__ import annotations
 
@@ -197,10 +199,13 @@ def train(model_cfg: GPTConfig, cfg: TrainConfig, out: Path, *, resume_from: Pat
     meta = {"model": dataclasses.asdict(model_cfg), "train": dataclasses.asdict(cfg),
             "tokenizer": corpus.tokenizer.spec(),
             "data": {"fingerprint": corpus.fingerprint, "description": corpus.description}}
+    if start >= cfg.max_steps:
+        return (f"selfattn train: nothing to do, {out} already reached max_steps={cfg.max_steps}; "
+                f"pass --max-steps N to train further")
     if start == 0:
         log.add({"step": 0, "val_loss": run.evaluate()})
     tokens_per_step = cfg.batch_size * model_cfg.block_size
-    timed_steps, timed_seconds = 0, 0.0
+    seconds = []  # per step, for the mean rate
     with _progress(start, cfg.max_steps, rank) as bar:  # closed before an error is printed
         for step in range(start + 1, cfg.max_steps + 1):
             t0 = time.perf_counter()
@@ -210,12 +215,10 @@ def train(model_cfg: GPTConfig, cfg: TrainConfig, out: Path, *, resume_from: Pat
                 what = f"loss is {loss}" if not math.isfinite(loss) else f"gradient norm is {norm}"
                 raise Diverged(f"{what} at step {step}; stopped without saving, the last good checkpoint is "
                                f"{last if last else 'none (no checkpoint was written yet)'}")
-            seconds = time.perf_counter() - t0
-            if step > start + 1:  # the first step pays for warm-up (and compilation)
-                timed_steps, timed_seconds = timed_steps + 1, timed_seconds + seconds
+            seconds.append(time.perf_counter() - t0)
             log.add({"step": step, "loss": loss, "lr": lr_at(step, cfg), "grad_norm": norm,
-                     "tokens_per_s": tokens_per_step / seconds})
-            bar.set_postfix_str(f"loss {loss:.3f}, {tokens_per_step / seconds:,.0f} tok/s", refresh=False)
+                     "tokens_per_s": tokens_per_step / seconds[-1]})
+            bar.set_postfix_str(f"loss {loss:.3f}, {tokens_per_step / seconds[-1]:,.0f} tok/s", refresh=False)
             bar.update(1)
             if step % cfg.eval_every == 0 or step == cfg.max_steps:
                 log.add({"step": step, "val_loss": run.evaluate()})
@@ -225,7 +228,8 @@ def train(model_cfg: GPTConfig, cfg: TrainConfig, out: Path, *, resume_from: Pat
             if step % cfg.save_every == 0 or step == cfg.max_steps:
                 checkpoint.save(out, step, run.model, run.optimizer, meta={**meta, "step": step}, keep=cfg.keep)
     log.plot()
-    rate = tokens_per_step * timed_steps / timed_seconds if timed_seconds else float("nan")
+    timed = seconds[1:] or seconds  # the first step pays for warm-up (and compilation)
+    rate = tokens_per_step * len(timed) / sum(timed)
     return (f"selfattn train: done, step {cfg.max_steps}, val loss {log.last('val_loss'):.4f}, "
             f"{rate:,.0f} tokens/s; checkpoint {checkpoint.latest(out)}, loss curve {out / 'loss.png'}\n"
             f"sample from it: selfattn sample --ckpt {out}")
@@ -306,12 +310,17 @@ def _setup_distributed(cfg: TrainConfig) -> tuple[int, int, torch.device]:
 
 
 def _prepare_data(out: Path, cfg: TrainConfig, block_size: int, rank: int) -> data.Corpus:
-    """Rank 0 tokenizes (or finds the cache); the other ranks then open the same cache."""
+    """Rank 0 tokenizes (or finds the cache) first; then the first rank of every other machine
+    (a cache hit on a shared disk, else built on its own); then everyone opens the cache."""
     kwargs = dict(data=cfg.data, tokenizer=cfg.tokenizer, bpe_vocab=cfg.bpe_vocab,
                   val_fraction=cfg.val_fraction, block_size=block_size)
-    corpus = data.prepare(out / "tokens", **kwargs) if rank == 0 else None
-    if dist.is_initialized():
-        dist.barrier()
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    corpus = None
+    for turn in (rank == 0, rank != 0 and local_rank == 0):
+        if turn:
+            corpus = data.prepare(out / "tokens", **kwargs)
+        if dist.is_initialized():
+            dist.barrier()
     return corpus or data.prepare(out / "tokens", **kwargs)
 
 

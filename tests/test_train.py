@@ -201,6 +201,17 @@ def test_resume_refusals(runs, tmp_path, capsys):
     assert "already holds checkpoints; pass --resume" in capsys.readouterr().err
     assert main(["train", "--resume", "--n-embd", "32", "--out", str(runs["whole"])]) == 2
     assert "--n-embd 32 differs from the checkpoint's n_embd=16" in capsys.readouterr().err
+    shutil.copytree(runs["whole"], tmp_path / "done")
+    assert main(["train", "--resume", "--out", str(tmp_path / "done")]) == 0
+    assert "nothing to do" in capsys.readouterr().out
+
+
+def test_bf16_autocast_trains_close_to_float32(tmp_path):
+    flags = MICRO + ["--max-steps", "2", "--save-every", "2", "--eval-every", "2"]
+    assert main(["train", *flags, "--out", str(tmp_path / "fp32")]) == 0
+    assert main(["train", *flags, "--bf16", "--out", str(tmp_path / "bf16")]) == 0
+    fp32, bf16 = ([r["loss"] for r in _records(tmp_path / d) if "loss" in r] for d in ("fp32", "bf16"))
+    assert fp32 != bf16 and bf16 == pytest.approx(fp32, rel=2e-2)  # bfloat16 really ran, and stayed close
 
 
 def test_train_config_values_are_checked():
