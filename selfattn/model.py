@@ -165,7 +165,7 @@ class GPT(nn.Module):
         logits = self.lm_head(self._hidden(idx, mask, cache, past))  # (B, T, V)
         if targets is None:
             return logits, None
-        if not isinstance(targets, Tensor) or targets.shape != idx.shape or targets.is_floating_point():
+        if not isinstance(targets, Tensor) or targets.shape != idx.shape or not _is_int(targets):
             raise ValueError(f"targets must be an integer tensor shaped like idx {tuple(idx.shape)}, got "
                              f"{tuple(targets.shape) if isinstance(targets, Tensor) else type(targets).__name__}")
         loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100)  # (B·T, V)
@@ -180,7 +180,7 @@ class GPT(nn.Module):
             positions = (mask.cumsum(dim=-1)[:, -T:] - 1).clamp(min=0)  # (B, T) real tokens before, 0 on padding
         x = self.wte(idx)  # (B, T, C)
         if self.wpe is not None:
-            x = x + self.wpe(positions)  # (T or B·T, C) broadcast over (B, T, C)
+            x = x + self.wpe(positions)  # (B, T, C) + (T, C) or (B, T, C)
         x = self.drop(x)
         rope_positions = positions if self.wpe is None else None
         for i, block in enumerate(self.blocks):
@@ -253,8 +253,10 @@ class GPT(nn.Module):
             raise TypeError(f"idx must be a tensor of token ids, got {type(idx).__name__}")
         if idx.dim() != 2:
             raise ValueError(f"idx must have shape (B, T), got {tuple(idx.shape)}")
-        if idx.is_floating_point() or idx.is_complex() or idx.dtype == torch.bool:
+        if not _is_int(idx):
             raise TypeError(f"idx must be an integer tensor of token ids, got dtype {idx.dtype}")
+        if idx.device != self.wte.weight.device:
+            raise ValueError(f"idx is on {idx.device} but the model is on {self.wte.weight.device}")
         if idx.shape[1] == 0:
             raise ValueError(f"idx must hold at least one token per row, got shape {tuple(idx.shape)}")
         bad = (idx < 0) | (idx >= self.config.vocab_size)  # (B, T)
@@ -299,6 +301,10 @@ class GPT(nn.Module):
                 raise ValueError(f"attention_mask must hold only 0 and 1, got values {mask.unique()[:8].tolist()}")
             mask = mask.bool()
         return mask.to(device)
+
+
+def _is_int(t: Tensor) -> bool:
+    return not (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool)
 
 
 def _check_count(name: str, value) -> None:

@@ -193,3 +193,9 @@ def test_bad_config(kw, error, words):
     with pytest.raises(error) as info:
         GPT(small(**kw))
     assert all(w in str(info.value) for w in words), str(info.value)
+
+
+def test_idx_on_another_device():
+    model = GPT(small()).to("meta")  # any device other than the CPU
+    with pytest.raises(ValueError, match="idx is on cpu but the model is on meta"):
+        model(torch.zeros(1, 3, dtype=torch.long))
