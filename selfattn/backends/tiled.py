@@ -8,9 +8,15 @@ the running output ``acc``; when the maximum grows, ``l`` and ``acc`` are rescal
 so memory grows with T, not T². A tile that the mask hides entirely is never computed
 (:meth:`Mask.hides`); the tile mask is built only for tiles that are partly hidden
 (:meth:`Mask.needs_tile`). The forward saves the per-row log-sum-exp ``lse = m + log l``.
+(q is pre-multiplied by ``scale·log2(e)``, so the scores, ``m`` and ``lse`` are in log2
+units and every exponential is an ``exp2``, three times faster than ``exp`` on CPU.)
 
-Backward: the probabilities are recomputed tile by tile from the saved ``lse``
-(``P = exp(S - lse)``), with ``D = rowsum(dO * O)`` and ``dS = P * (dP - D)``.
+Backward (FlashAttention-2), key block by key block: the probabilities are recomputed from
+the saved ``lse`` (``P = exp(S - lse)``), with ``D = rowsum(dO * O)`` and
+``dS = P * (dP - D)``; nothing of size T x S is ever stored.
+
+A query row that sees no key (padding) has ``l = 0``: it outputs zeros, and its ``lse`` is
+set to +inf so its recomputed P, hence its gradients, are exactly zero.
 
 GQA never repeats K/V: q ``(B, H, T, D)`` is laid out as ``(B·Hkv, T·G, D)`` (G = H / Hkv,
 the G query heads of one key/value head side by side for each position), so one batched
@@ -28,6 +34,7 @@ from typing import NamedTuple
 
 import torch
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
 from selfattn.backends import half
 from selfattn.masks import Mask
@@ -96,14 +103,15 @@ class _TiledAttention(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_out):
         qs, kw, vw, out, lse = ctx.saved_tensors
         mask, tiles, scale, dropout_p, seed, Hkv, offset = ctx.setup
         B, H, T, D = out.shape
         S = kw.shape[1]
-        work = qs.dtype
-        do = _group(grad_out.to(work), Hkv)  # (B·Hkv, T·G, D)
-        neg_d = _group((grad_out.to(work) * out.to(work)).sum(dim=3, keepdim=True).neg_(), Hkv)  # -D (B·Hkv, T·G, 1)
+        grad_out = grad_out.to(qs.dtype)
+        do = _group(grad_out, Hkv)  # (B·Hkv, T·G, D)
+        neg_d = _group((grad_out * out.to(qs.dtype)).sum(dim=3, keepdim=True).neg_(), Hkv)  # -D, (B·Hkv, T·G, 1)
         dq, dk, dv = _backward(qs, kw, vw, lse, do, neg_d, mask, tiles, (B, Hkv, H // Hkv), offset, dropout_p, seed)
         dq = _ungroup(dq.mul_(scale), B, H, Hkv).to(out.dtype)  # (B, H, T, D)
         dk = dk.div_(LOG2E).view(B, Hkv, S, D).to(out.dtype)  # (B, Hkv, S, D); qs carried scale·log2(e)
