@@ -110,7 +110,7 @@ def load(path: str | os.PathLike, model: nn.Module | None = None,
         optim_sd = {"state": state, "param_groups": header["param_groups"]}
     try:
         set_state_dict(model, optimizer if optimizer is not None else (), model_state_dict=model_sd,
-                                optim_state_dict=optim_sd, options=StateDictOptions(full_state_dict=True))
+                       optim_state_dict=optim_sd, options=StateDictOptions(full_state_dict=True))
     except (RuntimeError, KeyError, ValueError) as e:
         raise CheckpointError(f"checkpoint {path} does not fit this model/optimizer: {_one_line(e)}") from None
     return header["meta"]

@@ -25,7 +25,7 @@ def add_flags(parser: argparse.ArgumentParser, cls: type, *, skip: tuple[str, ..
             continue
         base, optional = _field_type(cls, f.name)
         flag = "--" + f.name.replace("_", "-")
-        help_text = f"{comments.get(f.name, '')} [{f.default!r}]".strip()
+        help_text = f"{comments.get(f.name, '')} [{f.default!r}]".strip().replace("%", "%%")  # argparse formats it
         if base is bool:
             group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,
                                default=argparse.SUPPRESS, help=help_text)

@@ -29,14 +29,16 @@ _GPT2_EOT = "<|endoftext|>"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--ckpt", required=True, metavar="PATH",
+    p.add_argument("--ckpt", required=True, metavar="PATH", default=argparse.SUPPRESS,
                    help="run folder, checkpoint file, or local GPT-2 folder saved by transformers")
-    p.add_argument("--prompt", default="", help="text to continue (default: start from a newline / <|endoftext|>)")
-    p.add_argument("--max-new-tokens", type=int, default=300, help="tokens to generate")
-    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy; higher = more random")
-    p.add_argument("--top-k", type=int, default=None, help="sample among the k most likely tokens only")
-    p.add_argument("--top-p", type=float, default=None, help="nucleus: the fewest tokens holding this probability")
-    p.add_argument("--seed", type=int, default=None, help="seed of the sampler: the same seed, the same text")
+    p.add_argument("--prompt", default="", metavar="TEXT",
+                   help="text to continue; empty: start from a newline (GPT-2: from <|endoftext|>)")
+    p.add_argument("--max-new-tokens", type=int, default=300, metavar="N", help="tokens to generate")
+    p.add_argument("--temperature", type=float, default=0.8, metavar="T", help="0 = greedy; higher = more random")
+    p.add_argument("--top-k", type=int, default=None, metavar="K", help="sample among the k most likely tokens only")
+    p.add_argument("--top-p", type=float, default=None, metavar="P",
+                   help="nucleus: sample among the fewest tokens holding this probability")
+    p.add_argument("--seed", type=int, default=None, metavar="S", help="seed of the sampler: same seed, same text")
     p.add_argument("--device", default="auto", help="'auto' (CUDA if available, else CPU) or a torch device")
 
 

@@ -104,7 +104,7 @@ class Diverged(RuntimeError):
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--out", default=None, help="run folder (default: runs/<preset>, or runs/default)")
+    p.add_argument("--out", default=argparse.SUPPRESS, help="run folder [runs/<preset>, or runs/default]")
     p.add_argument("--preset", choices=sorted(PRESETS), default=None, help="model and training sizes to start from")
     p.add_argument("--config", default=None, metavar="FILE.json",
                    help='JSON {"model": {GPTConfig fields}, "train": {TrainConfig fields}} over the preset')
@@ -116,7 +116,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    out = Path(args.out or f"runs/{args.preset or 'default'}")
+    out = Path(getattr(args, "out", None) or f"runs/{args.preset or 'default'}")
     model_cfg, train_cfg, resume_from = resolve_configs(args, out)
     try:
         summary = train(model_cfg, train_cfg, out, resume_from=resume_from)
