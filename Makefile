@@ -1,5 +1,5 @@
 # Two entry points, each doing all set-up on a fresh machine:
-#   make demo   the main job: the seed's worked example, then train a tiny GPT and sample from it
+#   make demo   the main job: the seed's worked example, then train a tiny GPT (~3 min) and sample from it
 #   make test   the whole test suite
 PYTHON ?= python3
 VENV   := .venv
@@ -19,6 +19,9 @@ setup: $(BIN)/selfattn
 
 demo: setup
 	$(BIN)/selfattn demo
+	rm -rf runs/tiny
+	$(BIN)/selfattn train --preset tiny --out runs/tiny
+	$(BIN)/selfattn sample --ckpt runs/tiny --prompt "The " --max-new-tokens 300 --seed 0
 
 test: setup
 	$(BIN)/python -m pytest -q -n 2
