@@ -49,7 +49,7 @@ def test_gradcheck_small_blocks(kwargs):
     q = torch.randn(1, 2, 6, 4, generator=g, dtype=torch.float64, requires_grad=True)
     k, v = (torch.randn(1, 1, 9, 4, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(2))
     mask = _mask(kwargs)
-    fn = lambda q, k, v: tiled.run(q, k, v, mask, scale=0.5, block_q=2, block_k=4)  # 3 x 3 tiles, the last 4+4+1
+    fn = lambda q, k, v: tiled.run(q, k, v, mask, scale=0.5, block_q=2, block_k=4)  # 3 x 3 tiles, keys 4, 4, 1
     assert torch.autograd.gradcheck(fn, (q, k, v))
 
 
