@@ -229,3 +229,20 @@ def test_bad_generate_arguments_fail_at_the_call(kw, words):
     with pytest.raises(ValueError) as info:
         model.generate(torch.zeros(2, 4, dtype=torch.long), **kw)  # no next(): checked eagerly
     assert all(w in str(info.value) for w in words), str(info.value)
+
+
+def test_decode_layout_changes_strides_only():
+    model = scrambled(small(**VARIANTS["rope-gqa-window-bias"]))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    idx = torch.randint(0, 61, (2, 6))
+    logits, _ = model(idx)
+    tokens = torch.stack(list(model.generate(idx, 10, temperature=0)), 1)
+    assert model.decode_layout() is model
+    w = model.blocks[0].mlp.c_fc.weight
+    assert w.shape == (128, 32) and w.stride() == (1, 128) and w.t().is_contiguous()
+    assert model.lm_head.weight is model.wte.weight and model.wte.weight.stride() == (1, 61)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    torch.testing.assert_close(model(idx)[0], logits, rtol=0, atol=1e-5)
+    assert torch.equal(torch.stack(list(model.generate(idx, 10, temperature=0)), 1), tokens)
+    model.decode_layout()  # idempotent
+    assert model.blocks[0].mlp.c_fc.weight.stride() == (1, 128)
