@@ -183,7 +183,8 @@ class GPT(nn.Module):
         if not isinstance(targets, Tensor) or targets.shape != idx.shape or not _is_int(targets):
             raise ValueError(f"targets must be an integer tensor shaped like idx {tuple(idx.shape)}, got "
                              f"{tuple(targets.shape) if isinstance(targets, Tensor) else type(targets).__name__}")
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100)  # (B·T, V)
+        work = torch.promote_types(logits.dtype, torch.float32)  # half logits: the loss in float32
+        loss = F.cross_entropy(logits.flatten(0, 1).to(work), targets.flatten(), ignore_index=-100)  # (B·T, V)
         return logits, loss
 
     def _hidden(self, idx: Tensor, mask: Tensor | None, cache: Sequence[KVCache] | None, past: int) -> Tensor:
