@@ -17,6 +17,9 @@ COMMANDS = {
     "demo": ("selfattn.demo", "the seed's worked example, computed live: shape walk, parameters, causality"),
     "train": ("selfattn.train", "train a GPT on text (built-in corpus or --data); torchrun for DDP/FSDP; --resume"),
     "sample": ("selfattn.sample", "stream text from a trained run or a local GPT-2 folder"),
+    "heads": ("selfattn.heads_cli", "attention maps and ranked head roles (previous-token, induction) of a model"),
+    "induction": ("selfattn.induction", "train a 2-layer attention-only GPT until induction heads form; 4 heads vs 1"),
+    "scaling": ("selfattn.scaling", "why scores are scaled by 1/sqrt(head_dim): the softmax at init, three scalings"),
 }
 
 

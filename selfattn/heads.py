@@ -22,8 +22,9 @@ entropy                       -sum_j w[i, j] * ln w[i, j], in nats (uniform over
 ============================  =====================================================
 
 Duplicate-token and induction average only over the queries that have at least one such
-key (a query whose token is new has nothing to attend to). On a sequence of L distinct random tokens repeated
-twice, the induction score is the mean of ``w[i, i-L+1]`` over the second copy.
+key (a query whose token is new has nothing to attend to). On a sequence of L distinct
+random tokens repeated twice, the induction score is the mean of ``w[i, i-L+1]`` over the
+second copy.
 """
 from __future__ import annotations
 
@@ -55,7 +56,8 @@ def capture(model: nn.Module, layers: Sequence[int] | None = None,
     index :func:`attention_layers` (default: all); ``heads`` selects query heads (default:
     all). Only the captured layers run the ``math`` backend, and only inside the block;
     backends and hooks are restored on exit, also on exceptions. Outputs are unchanged
-    (bitwise if the layer already used ``math``, else up to the backends' rounding).
+    (bitwise if the layer already used ``math``, else up to the backends' rounding; in
+    training mode with dropout the backends draw different dropout masks).
     """
     modules = attention_layers(model)
     if not modules:
@@ -217,10 +219,10 @@ def plot_attention_grid(att: Tensor, path, *, labels: Sequence[str] | None = Non
                         title: str | None = None) -> None:
     """Save a PNG grid of attention maps, one row per layer and one column per head.
 
-    ``att`` is ``(L, H, T, S)`` (one batch row). ``labels`` names the T tokens on the axes
-    (drawn when T <= 32); ``layers``/``heads`` are the original indices for the titles.
+    ``att`` is ``(L, H, T, S)`` (one batch row). ``labels`` names the S key tokens (the
+    queries are the last T) and is drawn on the axes when S <= 32; ``layers``/``heads`` are
+    the original indices, for the titles.
     """
-    plt = pyplot()
     if att.dim() != 4:
         raise ValueError(f"plot_attention_grid expects att of shape (L, H, T, S), got {tuple(att.shape)}")
     L, H, T, S = att.shape
@@ -231,7 +233,8 @@ def plot_attention_grid(att: Tensor, path, *, labels: Sequence[str] | None = Non
     if labels is not None and len(labels) != S:
         raise ValueError(f"{len(labels)} token labels for {S} positions")
     size = 2.6 if labels is None or S > 32 else max(2.6, 0.22 * S + 1.2)
-    fig, axes = plt.subplots(L, H, figsize=(size * H, size * L), squeeze=False)
+    fig = figure(figsize=(size * H, size * L))
+    axes = fig.subplots(L, H, squeeze=False)
     for r in range(L):
         for c in range(H):
             ax = axes[r][c]
@@ -244,22 +247,22 @@ def plot_attention_grid(att: Tensor, path, *, labels: Sequence[str] | None = Non
                 ax.set_xlabel("key", fontsize=7)
                 ax.set_ylabel("query", fontsize=7)
                 ax.tick_params(labelsize=6)
+                for axis in (ax.xaxis, ax.yaxis):
+                    axis.get_major_locator().set_params(integer=True)
     if title:
         fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
-    plt.close(fig)
 
 
-def pyplot():
-    """``matplotlib.pyplot`` on the non-interactive Agg backend (extra ``viz``)."""
+def figure(**kwargs):
+    """A ``matplotlib.figure.Figure`` (extra ``viz``), drawn without pyplot: no global
+    backend or figure state is touched."""
     try:
-        import matplotlib
+        from matplotlib.figure import Figure
     except ImportError as e:
         raise ImportError("plots need matplotlib: pip install 'selfattn[viz]'") from e
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    return plt
+    return Figure(**kwargs)
 
 
 def _check_att(att: Tensor) -> Tensor:

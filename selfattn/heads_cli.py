@@ -84,7 +84,8 @@ def main(args: argparse.Namespace) -> int:
         print("\n" + ("  head   " + "".join(n.ljust(16) for n in names)).rstrip())
         for i, layer in enumerate(layers):
             for h in range(H):
-                print((f"  L{layer}H{h}".ljust(9) + "".join(f"{scores[n][i, h]:.3f}".ljust(16) for n in names)).rstrip())
+                cells = "".join(f"{scores[n][i, h]:.3f}".ljust(16) for n in names)
+                print((f"  L{layer}H{h}".ljust(9) + cells).rstrip())
     print(f"\n  mean-distance in positions, entropy in nats; wrote {out / 'attention.png'}, {out / 'scores.json'}")
     return 0
 

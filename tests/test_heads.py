@@ -65,8 +65,9 @@ def test_induction_and_duplicate_exact():
     half = (induction + duplicate) / 2
     uniform = torch.ones(T6, T6).tril() / torch.arange(1, T6 + 1)[:, None]
     att = torch.stack([induction, duplicate, half, uniform])[None, None]  # (1, 1, 4, T, T)
-    torch.testing.assert_close(induction_score(att, TOKENS), torch.tensor([[1.0, 0.0, 0.5, (1 / 4 + 1 / 5 + 1 / 6) / 3]]))
-    torch.testing.assert_close(duplicate_token_score(att, TOKENS), torch.tensor([[0.0, 1.0, 0.5, (1 / 4 + 1 / 5 + 1 / 6) / 3]]))
+    spread = (1 / 4 + 1 / 5 + 1 / 6) / 3  # uniform rows 3, 4, 5 put 1/(i+1) on their one target
+    torch.testing.assert_close(induction_score(att, TOKENS), torch.tensor([[1.0, 0.0, 0.5, spread]]))
+    torch.testing.assert_close(duplicate_token_score(att, TOKENS), torch.tensor([[0.0, 1.0, 0.5, spread]]))
 
 
 def test_repeats_inside_a_sequence_follow_the_formula():
@@ -146,6 +147,24 @@ def test_capture_records_weights_and_changes_nothing(backend):
     assert torch.equal(maps[0], w0)
     assert [m.backend for m in model.layers] == [backend] * 3
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.layers)
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "math"])
+def test_capture_leaves_gpt_logits_unchanged(backend):
+    from selfattn.model import GPT, GPTConfig
+
+    model = GPT(GPTConfig(vocab_size=50, block_size=16, n_layer=3, n_head=2, n_embd=16, backend=backend)).eval()
+    idx = torch.randint(50, (2, 12))
+    with torch.no_grad():
+        plain, _ = model(idx)
+        with capture(model, layers=[1]) as maps:
+            captured, _ = model(idx)
+    if backend == "math":
+        assert torch.equal(captured, plain)
+    else:
+        torch.testing.assert_close(captured, plain, rtol=1e-5, atol=1e-6)
+    assert list(maps) == [1] and maps[1].shape == (2, 2, 12, 12)
+    assert [b.attn.backend for b in model.blocks] == [backend] * 3
 
 
 def test_capture_selects_heads_and_keeps_callers_return_weights():
