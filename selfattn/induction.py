@@ -53,7 +53,7 @@ class InductionConfig:
     n_head: int = 4  # heads per layer of the multi-head run; the comparison run has 1 head of the same width
     n_embd: int = 64  # C, the residual width; head_dim = C / n_head
     vocab_size: int = 64  # V, random tokens 0..V-1
-    pos: str = "rope"  # positions: "rope" (rotary) or "learned" (absolute; see the module doc)
+    pos: str = "rope"  # "rope" (rotary) or "learned" (absolute: induction then forms for some seeds only)
     seq_len: int = 32  # T, tokens per sequence (even); the probe is T/2 tokens twice
     min_repeat: int = 8  # shortest repeated segment L; L is uniform in [min_repeat, T/2]
     steps: int = 1500  # optimizer steps per run
