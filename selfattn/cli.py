@@ -12,21 +12,28 @@ import importlib
 import os
 import sys
 
-# name -> (module, one-line help); modules are imported when the parser is built.
+# name -> (module, one-line help); a module is imported only when its command runs.
 COMMANDS = {
     "demo": ("selfattn.demo", "the seed's worked example, computed live: shape walk, parameters, causality"),
+    "check": ("selfattn.check", "audit causality: every backend x option, a tiny GPT and its KV cache, or your module"),
     "train": ("selfattn.train", "train a GPT on text (built-in corpus or --data); torchrun for DDP/FSDP; --resume"),
     "sample": ("selfattn.sample", "stream text from a trained run or a local GPT-2 folder"),
+    "bench": ("selfattn.bench", "benchmarks vs the peers, one run: attention T sweep, decode tokens/s, train tokens/s"),
     "heads": ("selfattn.heads_cli", "attention maps and ranked head roles (previous-token, induction) of a model"),
     "induction": ("selfattn.induction", "train a 2-layer attention-only GPT until induction heads form; 4 heads vs 1"),
     "scaling": ("selfattn.scaling", "why scores are scaled by 1/sqrt(head_dim): the softmax at init, three scalings"),
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: list[str]) -> argparse.ArgumentParser:
+    """The parser; only the chosen sub-command's module is imported (``--help`` imports none)."""
     parser = argparse.ArgumentParser(prog="selfattn", description="Causal multi-head self-attention from scratch.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    chosen = next((a for a in argv if not a.startswith("-")), None)
     for name, (module, help_text) in COMMANDS.items():
+        if name != chosen:
+            sub.add_parser(name, help=help_text)
+            continue
         mod = importlib.import_module(module)
         p = sub.add_parser(name, help=help_text, description=(mod.__doc__ or help_text).strip().split("\n\n")[0],
                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -36,7 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(argv).parse_args(argv)
     try:
         return int(args._main(args) or 0)
     except (ValueError, TypeError, OSError) as e:
