@@ -16,9 +16,10 @@ import types
 import typing
 
 
-def add_flags(parser: argparse.ArgumentParser, cls: type, *, skip: tuple[str, ...] = ()) -> None:
-    """Add one ``--flag`` per field of the dataclass ``cls`` (except ``skip``) in its own group."""
-    group = parser.add_argument_group(f"{cls.__name__} (presets and --config set other defaults)")
+def add_flags(parser: argparse.ArgumentParser, cls: type, *, skip: tuple[str, ...] = (), title: str | None = None) -> None:
+    """Add one ``--flag`` per field of the dataclass ``cls`` (except ``skip``) in its own group,
+    titled ``title`` (default: the class name)."""
+    group = parser.add_argument_group(title or cls.__name__)
     comments = field_comments(cls)
     for f in dataclasses.fields(cls):
         if f.name in skip:

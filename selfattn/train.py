@@ -111,8 +111,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--resume", action="store_true",
                    help="continue the run in --out from its newest checkpoint, with its configs; "
                         "flags given here change training fields")
-    configs.add_flags(p, GPTConfig, skip=("vocab_size",))
-    configs.add_flags(p, TrainConfig)
+    configs.add_flags(p, GPTConfig, skip=("vocab_size",), title="GPTConfig (presets and --config set other defaults)")
+    configs.add_flags(p, TrainConfig, title="TrainConfig (presets and --config set other defaults)")
 
 
 def main(args: argparse.Namespace) -> int:

@@ -5,7 +5,8 @@ built offline: a ``GPT2Config``, a randomly initialised ``GPT2LMHeadModel``, con
 :func:`selfattn.hf.from_hf`; nothing is downloaded):
 
 - ``kv-cache``: our ``GPT.generate``: the prompt prefilled once, then one token per step
-  against the preallocated KV cache;
+  against the preallocated KV cache, on a model prepared for inference as the README shows
+  (``model.eval().decode_layout()``: the same values, weights in (in, out) memory order);
 - ``no-cache``: our GPT without a cache: every step runs the whole sequence again;
 - ``hf-generate``: ``transformers``' ``generate`` (greedy, its own cache).
 
@@ -69,7 +70,7 @@ def models(settings: Settings, device: torch.device):
         torch.manual_seed(0)
         ours = GPT(GPTConfig(vocab_size=settings.vocab_size, block_size=settings.block_size,
                              n_layer=settings.n_layer, n_head=settings.n_head, n_embd=settings.n_embd, bias=True))
-        return ours.to(device).eval(), None, f"needs transformers ({e}): pip install 'selfattn[hf]'"
+        return ours.to(device).eval().decode_layout(), None, f"needs transformers ({e}): pip install 'selfattn[hf]'"
     from selfattn.hf import from_hf
     config = transformers.GPT2Config(vocab_size=settings.vocab_size, n_positions=settings.block_size,
                                      n_embd=settings.n_embd, n_layer=settings.n_layer, n_head=settings.n_head,
@@ -77,7 +78,7 @@ def models(settings: Settings, device: torch.device):
                                      bos_token_id=None, eos_token_id=None)  # no early stop: every run is full length
     torch.manual_seed(0)
     hf = transformers.GPT2LMHeadModel(config).to(device).eval()
-    return from_hf(hf).eval(), hf, None
+    return from_hf(hf).eval().decode_layout(), hf, None
 
 
 def run(settings: Settings, device: torch.device, *, log=print) -> dict:
