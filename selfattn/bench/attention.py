@@ -66,7 +66,7 @@ class Settings:
     n_head: int = 1  # H; head dim D = C / H = 64, GPT-2's
     dtypes: tuple[str, ...] | None = None  # None: float32, and bfloat16 where the device supports it
     warmup: int = 1  # untimed calls of each implementation per configuration
-    reps: int = 3  # timed calls of each implementation per configuration (median reported)
+    reps: int = 5  # timed calls of each implementation per configuration (median reported)
     max_mem_gib: float | None = None  # memory cap per call; None: 90% of free accelerator / 50% of free RAM
     max_call_s: float = 3.0  # skip an implementation whose predicted time per call exceeds this
     gate_len: int = 300  # T of the correctness gate (not a multiple of any tile: ragged tiles checked)
