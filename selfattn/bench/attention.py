@@ -94,7 +94,7 @@ class Settings:
 
 
 FULL = Settings()
-QUICK = Settings(seq_lens=(128, 256, 512), tokens=512, n_embd=64, n_head=2, max_call_s=2.0, gate_len=150,
+QUICK = Settings(seq_lens=(128, 256, 512), tokens=512, n_embd=64, n_head=2, max_call_s=2.0, gate_len=150, reps=3,
                  matmul_n=1024)  # two heads of 32: the multi-head paths run too
 
 
