@@ -117,24 +117,36 @@ def _query_ranges(n0, n1, T, OFF, W, CAUSAL: tl.constexpr, HAS_WINDOW: tl.conste
 
 
 @triton.jit
+def _key_tile(q, p, doc_q, n0, K, V, KPM, DOC, sk_s, sk_d, sv_s, sv_d, skpm_s, sdoc_s, S, W, qk_scale,
+              MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_KPM: tl.constexpr,
+              HAS_DOC: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+              DOT_PRECISION: tl.constexpr):
+    """Load the key tile [n0, n0 + BLOCK_N) of K and V, each (BN, BD), and score the query
+    tile q against it: s (BM, BN) in the exp2 domain, -inf where the mask hides a pair."""
+    offs_d = tl.arange(0, BLOCK_D)
+    n = n0 + tl.arange(0, BLOCK_N)
+    kv_mask = offs_d[None, :] < D
+    if MASKED:  # mask-free tiles lie wholly inside [0, S)
+        kv_mask = kv_mask & (n[:, None] < S)
+    k = tl.load(K + n[:, None] * sk_s + offs_d[None, :] * sk_d, mask=kv_mask, other=0.0)  # (BN, BD)
+    v = tl.load(V + n[:, None] * sv_s + offs_d[None, :] * sv_d, mask=kv_mask, other=0.0)  # (BN, BD)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # (BM, BN)
+    if MASKED:
+        ok = _visible(p[:, None], n[None, :], KPM, DOC, doc_q[:, None], skpm_s, sdoc_s, S, W,
+                      CAUSAL, HAS_WINDOW, HAS_KPM, HAS_DOC)
+        s = tl.where(ok, s, float("-inf"))
+    return k, v, s
+
+
+@triton.jit
 def _fwd_tiles(acc, l_i, m_i, q, p, doc_q, K, V, KPM, DOC, sk_s, sk_d, sv_s, sv_d, skpm_s, sdoc_s,
                S, W, qk_scale, start, stop, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
                HAS_WINDOW: tl.constexpr, HAS_KPM: tl.constexpr, HAS_DOC: tl.constexpr, D: tl.constexpr,
                BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """Online softmax over the key tiles [start, stop): running max m_i, sum l_i, output acc."""
-    offs_d = tl.arange(0, BLOCK_D)
     for n0 in range(start, stop, BLOCK_N):
-        n = n0 + tl.arange(0, BLOCK_N)
-        kv_mask = offs_d[None, :] < D
-        if MASKED:  # mask-free tiles lie wholly inside [0, S)
-            kv_mask = kv_mask & (n[:, None] < S)
-        k = tl.load(K + n[:, None] * sk_s + offs_d[None, :] * sk_d, mask=kv_mask, other=0.0)  # (BN, BD)
-        v = tl.load(V + n[:, None] * sv_s + offs_d[None, :] * sv_d, mask=kv_mask, other=0.0)  # (BN, BD)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # (BM, BN), exp2 domain
-        if MASKED:
-            ok = _visible(p[:, None], n[None, :], KPM, DOC, doc_q[:, None], skpm_s, sdoc_s, S, W,
-                          CAUSAL, HAS_WINDOW, HAS_KPM, HAS_DOC)
-            s = tl.where(ok, s, float("-inf"))
+        k, v, s = _key_tile(q, p, doc_q, n0, K, V, KPM, DOC, sk_s, sk_d, sv_s, sv_d, skpm_s, sdoc_s, S, W, qk_scale,
+                            MASKED, CAUSAL, HAS_WINDOW, HAS_KPM, HAS_DOC, D, BLOCK_N, BLOCK_D, DOT_PRECISION)
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing seen yet: exp2(-inf) = 0
         alpha = tl.exp2(m_i - m_use)
@@ -222,19 +234,9 @@ def _dq_tiles(dq, q, do, lse, delta, p, doc_q, K, V, KPM, DOC, sk_s, sk_d, sv_s,
               HAS_WINDOW: tl.constexpr, HAS_KPM: tl.constexpr, HAS_DOC: tl.constexpr, D: tl.constexpr,
               BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """dQ (unscaled) over the key tiles [start, stop), recomputing P from the saved lse."""
-    offs_d = tl.arange(0, BLOCK_D)
     for n0 in range(start, stop, BLOCK_N):
-        n = n0 + tl.arange(0, BLOCK_N)
-        kv_mask = offs_d[None, :] < D
-        if MASKED:  # mask-free tiles lie wholly inside [0, S)
-            kv_mask = kv_mask & (n[:, None] < S)
-        k = tl.load(K + n[:, None] * sk_s + offs_d[None, :] * sk_d, mask=kv_mask, other=0.0)  # (BN, BD)
-        v = tl.load(V + n[:, None] * sv_s + offs_d[None, :] * sv_d, mask=kv_mask, other=0.0)  # (BN, BD)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # (BM, BN)
-        if MASKED:
-            ok = _visible(p[:, None], n[None, :], KPM, DOC, doc_q[:, None], skpm_s, sdoc_s, S, W,
-                          CAUSAL, HAS_WINDOW, HAS_KPM, HAS_DOC)
-            s = tl.where(ok, s, float("-inf"))
+        k, v, s = _key_tile(q, p, doc_q, n0, K, V, KPM, DOC, sk_s, sk_d, sv_s, sv_d, skpm_s, sdoc_s, S, W, qk_scale,
+                            MASKED, CAUSAL, HAS_WINDOW, HAS_KPM, HAS_DOC, D, BLOCK_N, BLOCK_D, DOT_PRECISION)
         pr = tl.exp2(s - lse[:, None])  # the softmax weights, (BM, BN)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)  # (BM, BN)
         ds = pr * (dp - delta[:, None])
