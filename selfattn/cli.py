@@ -47,6 +47,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser(argv).parse_args(argv)
     try:
         return int(args._main(args) or 0)
+    except BrokenPipeError:  # the reader went away (``selfattn sample ... | head``): stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit flush cannot fail again
+        return 0
     except (ValueError, TypeError, OSError) as e:
         if os.environ.get("SELFATTN_DEBUG"):
             raise

@@ -47,7 +47,7 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
     model, tokenizer, start = load(args.ckpt)
-    model.to(device).eval()
+    model.to(device).eval().decode_layout()  # inference only: the weight order batch-1 decoding reads fastest
     ids = tokenizer.encode(args.prompt) if args.prompt else [start]
     generator = torch.Generator(device)
     if args.seed is None:
