@@ -1,5 +1,5 @@
 # Two entry points, each doing all set-up on a fresh machine:
-#   make demo   the main job: the seed's worked example, then train a tiny GPT (~3 min) and sample from it
+#   make demo   the main job: the seed's worked example, then train a tiny GPT (~70 s) and sample from it
 #   make test   the whole test suite
 PYTHON ?= python3
 VENV   := .venv
