@@ -18,6 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from selfattn import backends
+from selfattn.checks import positive_int
 from selfattn.kv_cache import KVCache
 from selfattn.masks import Mask
 from selfattn.rope import apply_rope, rope_angles
@@ -92,12 +93,12 @@ class SelfAttention(nn.Module):
                  dropout: float = 0.0, rope: bool = False, rope_base: float = 10000.0,
                  window: int | None = None, backend: str = "auto"):
         super().__init__()
-        _check_positive_int("n_embd", n_embd)
-        _check_positive_int("n_head", n_head)
+        positive_int("n_embd", n_embd)
+        positive_int("n_head", n_head)
         if n_embd % n_head:
             raise ValueError(f"n_embd={n_embd} is not divisible by n_head={n_head}")
         n_kv_head = n_head if n_kv_head is None else n_kv_head
-        _check_positive_int("n_kv_head", n_kv_head)
+        positive_int("n_kv_head", n_kv_head)
         if n_head % n_kv_head:
             raise ValueError(f"n_head={n_head} is not a multiple of n_kv_head={n_kv_head}")
         if not isinstance(dropout, numbers.Real) or not 0.0 <= dropout < 1.0:
@@ -167,17 +168,10 @@ class SelfAttention(nn.Module):
         return ", ".join(opts)
 
 
-def _check_positive_int(name: str, value) -> None:
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-    if value <= 0:
-        raise ValueError(f"{name} must be positive, got {value}")
-
-
 def _check_window(window, causal) -> int | None:
     if window is None:
         return None
-    _check_positive_int("window", window)
+    positive_int("window", window)
     if not causal:
         raise ValueError(f"window={window} needs causal=True (a window is i - W < j <= i)")
     return window

@@ -35,6 +35,7 @@ import torch
 from torch import Tensor, nn
 
 from selfattn.attention import SelfAttention
+from selfattn.checks import positive_ints
 
 ROLES = ("previous-token", "induction", "duplicate-token", "first-token")
 
@@ -133,9 +134,7 @@ def repeated_tokens(vocab_size: int, length: int, batch: int = 1, *,
     Distinct tokens make every earlier occurrence unique, so the induction target of a query
     in the second copy is exactly one key.
     """
-    for name, value in (("vocab_size", vocab_size), ("length", length), ("batch", batch)):
-        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    positive_ints(vocab_size=vocab_size, length=length, batch=batch)
     if length > vocab_size:
         raise ValueError(f"length={length} distinct tokens need vocab_size >= length, got {vocab_size}")
     rows = [torch.randperm(vocab_size, generator=generator)[:length] for _ in range(batch)]

@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from selfattn import configs
+from selfattn.checks import positive_ints
 from selfattn.heads import attention_maps, figure, head_scores, plot_attention_grid, repeated_tokens
 from selfattn.model import GPT, GPTConfig
 
@@ -63,11 +64,8 @@ class InductionConfig:
     seed: int = 0  # seeds the weights, the training data and the probe
 
     def __post_init__(self):
-        for name in ("n_head", "n_embd", "vocab_size", "seq_len", "min_repeat", "steps", "batch_size",
-                     "eval_every"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        positive_ints(**{name: getattr(self, name) for name in ("n_head", "n_embd", "vocab_size", "seq_len",
+                                                                  "min_repeat", "steps", "batch_size", "eval_every")})
         if self.n_head < 2:
             raise ValueError(f"n_head must be >= 2 (the comparison run has 1 head), got {self.n_head}")
         if self.n_embd % self.n_head:

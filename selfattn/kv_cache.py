@@ -9,14 +9,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from selfattn.checks import positive_ints
+
 
 class KVCache:
     def __init__(self, batch_size: int, n_kv_head: int, max_len: int, head_dim: int, *,
                  dtype: torch.dtype = torch.float32, device=None):
-        for name, value in (("batch_size", batch_size), ("n_kv_head", n_kv_head),
-                            ("max_len", max_len), ("head_dim", head_dim)):
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"KVCache: {name} must be a positive int, got {value!r}")
+        positive_ints(batch_size=batch_size, n_kv_head=n_kv_head, max_len=max_len, head_dim=head_dim)
         shape = (batch_size, n_kv_head, max_len, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)  # (B, Hkv, max_len, D)
         self.v = torch.zeros(shape, dtype=dtype, device=device)  # (B, Hkv, max_len, D)

@@ -25,7 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from selfattn.attention import SelfAttention, _check_positive_int, choose_backend
+from selfattn.attention import SelfAttention, choose_backend
+from selfattn.checks import positive_int
 from selfattn.kv_cache import KVCache
 from selfattn.sampling import check_sampling, next_token
 
@@ -50,7 +51,7 @@ class GPTConfig:
 
     def __post_init__(self):
         for name in ("vocab_size", "block_size", "n_layer"):
-            _check_positive_int(name, getattr(self, name))
+            positive_int(name, getattr(self, name))
         if self.pos not in ("learned", "rope"):
             raise ValueError(f"pos must be 'learned' or 'rope', got {self.pos!r}")
         if self.gelu_approximate not in ("tanh", "none"):
@@ -156,8 +157,8 @@ class GPT(nn.Module):
         """One empty :class:`KVCache` per layer for ``batch_size`` rows and up to ``max_len``
         positions (default and maximum ``block_size``), in the model's dtype and device."""
         max_len = self.config.block_size if max_len is None else max_len
-        _check_positive_int("batch_size", batch_size)
-        _check_positive_int("max_len", max_len)
+        positive_int("batch_size", batch_size)
+        positive_int("max_len", max_len)
         if max_len > self.config.block_size:
             raise ValueError(f"max_len={max_len} exceeds block_size={self.config.block_size}")
         w = self.wte.weight

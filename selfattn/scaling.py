@@ -22,15 +22,14 @@ from collections.abc import Sequence
 import torch
 
 from selfattn.attention import attention
+from selfattn.checks import positive_ints
 
 SCALINGS = ("1/sqrt(D)", "1/sqrt(C)", "1 (none)")
 
 
 def measure(n_embd: int, head_dim: int, *, seq_len: int = 128, batch: int = 4, seed: int = 0) -> list[dict]:
     """One row per scaling in :data:`SCALINGS` for width ``n_embd`` = H · ``head_dim``."""
-    for name, value in (("n_embd", n_embd), ("head_dim", head_dim), ("seq_len", seq_len), ("batch", batch)):
-        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    positive_ints(n_embd=n_embd, head_dim=head_dim, seq_len=seq_len, batch=batch)
     if n_embd % head_dim:
         raise ValueError(f"n_embd={n_embd} is not a multiple of head_dim={head_dim}")
     if seq_len < 2:

@@ -35,6 +35,7 @@ import torch.distributed as dist
 from torch import nn
 
 from selfattn import checkpoint, configs, data
+from selfattn.checks import positive_ints
 from selfattn.model import GPT, GPTConfig
 
 
@@ -65,11 +66,8 @@ class TrainConfig:
     fsdp: bool = False  # under torchrun: shard the model with FSDP2 instead of replicating it with DDP
 
     def __post_init__(self):
-        for name in ("batch_size", "grad_accum", "max_steps", "eval_every", "eval_batches", "save_every", "keep",
-                     "bpe_vocab"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        positive_ints(**{name: getattr(self, name) for name in ("batch_size", "grad_accum", "max_steps", "eval_every",
+                                                                  "eval_batches", "save_every", "keep", "bpe_vocab")})
         if not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
             raise ValueError(f"warmup_steps must be a non-negative int, got {self.warmup_steps!r}")
         if self.tokenizer not in ("byte", "bpe"):

@@ -37,6 +37,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from selfattn.backends import half
+from selfattn.checks import positive_ints
 from selfattn.masks import Mask
 
 # Tile sizes: each tile costs ~10 PyTorch calls, so tiles must be large enough to hide the
@@ -81,9 +82,7 @@ def run(q: Tensor, k: Tensor, v: Tensor, mask: Mask, *, scale: float, dropout_p:
     ``block_q``, ``block_k``: tile sizes. ``seed``: the dropout seed (default: drawn from
     torch's global generator, and only when ``dropout_p > 0``).
     """
-    for name, size in (("block_q", block_q), ("block_k", block_k)):
-        if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
-            raise ValueError(f"{name} must be a positive int, got {size!r}")
+    positive_ints(block_q=block_q, block_k=block_k)
     if dropout_p > 0.0 and seed is None:
         seed = int(torch.randint(2 ** 62, ()).item())
     return _TiledAttention.apply(q, k, v, mask, float(scale), float(dropout_p), seed or 0, block_q, block_k)

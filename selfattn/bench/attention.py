@@ -41,6 +41,7 @@ from torch import nn
 from selfattn import backends, peers
 from selfattn.attention import SelfAttention, choose_backend
 from selfattn.bench import common, memory
+from selfattn.checks import positive_ints
 from selfattn.masks import Mask
 
 OURS = ("auto",) + backends.NAMES
@@ -75,10 +76,7 @@ class Settings:
     memory: bool = True  # measure peak memory (CPU: the first dtype only, one subprocess per config)
 
     def check(self) -> None:
-        for name in ("tokens", "n_embd", "n_head", "reps", "gate_len"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or v <= 0:
-                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        positive_ints(**{name: getattr(self, name) for name in ("tokens", "n_embd", "n_head", "reps", "gate_len")})
         if self.warmup < 1:
             raise ValueError(f"warmup must be >= 1 (the warm-up results are checked), got {self.warmup}")
         if self.n_embd % self.n_head:

@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from selfattn.bench import common
+from selfattn.checks import positive_ints
 from selfattn.model import GPT, GPTConfig
 
 IMPLS = ("kv-cache", "no-cache", "hf-generate")
@@ -48,9 +49,7 @@ class Settings:
     check_tokens: int = 16  # teacher-forced positions in the correctness check
 
     def check(self) -> None:
-        for name, v in asdict(self).items():
-            if name != "prompts" and (not isinstance(v, int) or v <= 0):
-                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        positive_ints(**{name: v for name, v in asdict(self).items() if name != "prompts"})
         too_long = [P for P in self.prompts if P <= 0 or P + self.new_tokens > self.block_size]
         if not self.prompts or too_long:
             raise ValueError(f"prompt lengths must be positive with prompt + new_tokens={self.new_tokens} <= "

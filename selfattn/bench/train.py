@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from selfattn.bench import common
+from selfattn.checks import positive_ints
 from selfattn.model import GPT, GPTConfig
 from selfattn.peers import NanoGPT
 
@@ -35,9 +36,7 @@ class Settings:
     reps: int = 5  # timed steps of each model (median reported)
 
     def check(self) -> None:
-        for name, v in asdict(self).items():
-            if not isinstance(v, int) or v <= 0:
-                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        positive_ints(**asdict(self))
         if self.n_embd % self.n_head:
             raise ValueError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}")
 
