@@ -1,6 +1,6 @@
 """selfattn: causal multi-head self-attention from scratch, exact, fast and verifiable."""
 from selfattn.attention import SelfAttention, attention
-from selfattn.causality import check_cache, check_causal
+from selfattn.audit import check_cache, check_causal
 from selfattn.kv_cache import KVCache
 from selfattn.masks import Mask, allowed
 from selfattn.model import GPT, GPTConfig

@@ -12,13 +12,10 @@ projection) with the options real models use, each one keyword and off by defaul
 """
 from __future__ import annotations
 
-import numbers
-
 import torch
 from torch import Tensor, nn
 
-from selfattn import backends
-from selfattn.checks import positive_int
+from selfattn import _validate, backends
 from selfattn.kv_cache import KVCache
 from selfattn.masks import Mask
 from selfattn.rope import apply_rope, rope_angles
@@ -35,40 +32,27 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = True, window: i
     ``"math"``, ``"sdpa"``, ``"tiled"``, ``"triton"``. Returns the output ``(B, H, T, D)``,
     and with ``return_weights=True`` also the weights ``(B, H, T, S)`` (math backend only).
     """
-    _check_qkv(q, k, v)
-    T, S = q.shape[2], k.shape[2]
-    mask = Mask(causal=bool(causal), window=_check_window(window, causal),
-                key_padding_mask=_check_per_token("key_padding_mask", key_padding_mask, q, S, bool),
-                doc_ids=_check_per_token("doc_ids", doc_ids, q, S, int))
-    if not isinstance(dropout_p, numbers.Real) or not 0.0 <= dropout_p < 1.0:
-        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p!r}")
-    if scale is None:
-        scale = q.shape[-1] ** -0.5
-    elif not isinstance(scale, numbers.Real) or scale <= 0:
-        raise ValueError(f"scale must be a positive number, got {scale!r}")
-    name = choose_backend(backend, return_weights)
+    _validate.qkv(q, k, v)
+    B, T, S = q.shape[0], q.shape[2], k.shape[2]
+    mask = Mask(causal=bool(causal), window=_validate.window(window, causal),
+                key_padding_mask=_validate.per_key("key_padding_mask", key_padding_mask, B, S, bool, q.device),
+                doc_ids=_validate.per_key("doc_ids", doc_ids, B, S, int, q.device))
+    dropout_p = _validate.probability("dropout_p", dropout_p)
+    scale = q.shape[-1] ** -0.5 if scale is None else _validate.positive_number("scale", scale)
+    name = backends.resolve(backend, return_weights=return_weights)
     impl = backends.load(name)
-    if return_weights:
-        if name != "math":
-            raise ValueError(f"return_weights=True needs backend 'math' (or 'auto'), got {backend!r}")
-        return impl.run_with_weights(q, k, v, mask, scale=scale, dropout_p=dropout_p)
-    why = getattr(impl, "unsupported", lambda *a: None)(q, k, v, mask, dropout_p)
+    if return_weights and not impl.RETURNS_WEIGHTS:
+        raise ValueError(f"return_weights=True needs backend 'math' (or 'auto', which picks it); "
+                         f"{backend!r} cannot return the weights")
+    why = impl.unsupported(q, k, v, mask, dropout_p)
     if why:
         raise ValueError(f"backend {name!r} cannot serve this request: {why}")
-    if T == 0 or q.shape[0] == 0:
-        return q * 0  # nothing to attend: an empty (B, H, T, D), still on the autograd graph
-    return impl.run(q, k, v, mask, scale=float(scale), dropout_p=float(dropout_p))
-
-
-def choose_backend(backend: str, return_weights: bool = False) -> str:
-    """Resolve ``"auto"``: the math backend when weights are asked for, else PyTorch's fused
-    kernel. ``selfattn bench attention`` measured it the fastest within noise in float32 at
-    every T; for bfloat16 rows of 512 keys or fewer on CPU the plain formula is faster."""
-    if backend == "auto":
-        return "math" if return_weights else "sdpa"
-    if backend not in backends.NAMES:
-        raise ValueError(f"unknown attention backend {backend!r}; choose one of {('auto',) + backends.NAMES}")
-    return backend
+    if T == 0 or B == 0:
+        empty = q * 0  # nothing to attend: an empty (B, H, T, D), still on the autograd graph
+        return (empty, q.new_zeros(B, q.shape[1], T, S)) if return_weights else empty
+    if return_weights:
+        return impl.run_with_weights(q, k, v, mask, scale=scale, dropout_p=dropout_p)
+    return impl.run(q, k, v, mask, scale=scale, dropout_p=dropout_p)
 
 
 class SelfAttention(nn.Module):
@@ -93,26 +77,16 @@ class SelfAttention(nn.Module):
                  dropout: float = 0.0, rope: bool = False, rope_base: float = 10000.0,
                  window: int | None = None, backend: str = "auto"):
         super().__init__()
-        positive_int("n_embd", n_embd)
-        positive_int("n_head", n_head)
-        if n_embd % n_head:
-            raise ValueError(f"n_embd={n_embd} is not divisible by n_head={n_head}")
-        n_kv_head = n_head if n_kv_head is None else n_kv_head
-        positive_int("n_kv_head", n_kv_head)
-        if n_head % n_kv_head:
-            raise ValueError(f"n_head={n_head} is not a multiple of n_kv_head={n_kv_head}")
-        if not isinstance(dropout, numbers.Real) or not 0.0 <= dropout < 1.0:
-            raise ValueError(f"dropout must be in [0, 1), got {dropout!r}")
-        head_dim = n_embd // n_head
-        if rope and head_dim % 2:
-            raise ValueError(f"rope needs an even head_dim, got n_embd={n_embd} / n_head={n_head} = {head_dim}")
-        if not isinstance(rope_base, numbers.Real) or rope_base <= 1:
-            raise ValueError(f"rope_base must be a number > 1, got {rope_base!r}")
-        choose_backend(backend)
-        self.n_head, self.n_kv_head, self.head_dim = n_head, n_kv_head, head_dim
-        self.window = _check_window(window, True)
-        self.dropout, self.rope, self.rope_base, self.backend = float(dropout), bool(rope), float(rope_base), backend
-        self.qkv = nn.Linear(n_embd, n_embd + 2 * n_kv_head * head_dim, bias=bias)
+        self.n_head = n_head
+        self.n_kv_head, self.head_dim = _validate.heads(n_embd, n_head, n_kv_head)
+        if rope and self.head_dim % 2:
+            raise ValueError(f"rope needs an even head_dim, got n_embd={n_embd} / n_head={n_head} = {self.head_dim}")
+        self.dropout = _validate.probability("dropout", dropout)
+        self.rope, self.rope_base = bool(rope), _validate.positive_number("rope_base", rope_base, above=1.0)
+        self.window = _validate.window(window)
+        backends.resolve(backend)  # an unknown name fails here, not at the first forward
+        self.backend = backend
+        self.qkv = nn.Linear(n_embd, n_embd + 2 * self.n_kv_head * self.head_dim, bias=bias)
         self.proj = nn.Linear(n_embd, n_embd, bias=bias)
 
     def forward(self, x: Tensor, *, key_padding_mask: Tensor | None = None, doc_ids: Tensor | None = None,
@@ -126,14 +100,7 @@ class SelfAttention(nn.Module):
         and the queries attend over everything cached so far.
         """
         C = self.n_head * self.head_dim
-        if not isinstance(x, Tensor):
-            raise TypeError(f"SelfAttention expects a tensor, got {type(x).__name__}")
-        if x.dim() != 3:
-            raise ValueError(f"SelfAttention expects input of shape (B, T, C={C}), got {tuple(x.shape)}")
-        if x.shape[-1] != C:
-            raise ValueError(f"SelfAttention(n_embd={C}) got input with last dim {x.shape[-1]} (shape {tuple(x.shape)})")
-        if not x.is_floating_point():
-            raise TypeError(f"SelfAttention expects a floating-point input, got dtype {x.dtype}")
+        _validate.embeddings("SelfAttention", x, C)
         B, T, _ = x.shape
         Hkv_D = self.n_kv_head * self.head_dim
         q, k, v = self.qkv(x).split([C, Hkv_D, Hkv_D], dim=2)  # (B, T, C), (B, T, Hkv·D) x2
@@ -167,49 +134,3 @@ class SelfAttention(nn.Module):
                  if getattr(self, name) != off]
         return ", ".join(opts)
 
-
-def _check_window(window, causal) -> int | None:
-    if window is None:
-        return None
-    positive_int("window", window)
-    if not causal:
-        raise ValueError(f"window={window} needs causal=True (a window is i - W < j <= i)")
-    return window
-
-
-def _check_qkv(q: Tensor, k: Tensor, v: Tensor) -> None:
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, Tensor):
-            raise TypeError(f"{name} must be a tensor, got {type(t).__name__}")
-        if t.dim() != 4:
-            raise ValueError(f"{name} must be 4-D ({'(B, H, T, D)' if name == 'q' else '(B, Hkv, S, D)'}), "
-                             f"got shape {tuple(t.shape)}")
-        if not t.is_floating_point():
-            raise TypeError(f"{name} must be floating point, got dtype {t.dtype}")
-    if not q.dtype == k.dtype == v.dtype:
-        raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if not q.device == k.device == v.device:
-        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
-    if k.shape != v.shape or k.shape[0] != q.shape[0] or k.shape[3] != q.shape[3]:
-        raise ValueError(f"expected q (B, H, T, D) and k, v (B, Hkv, S, D), got q {tuple(q.shape)}, "
-                         f"k {tuple(k.shape)}, v {tuple(v.shape)}")
-    H, Hkv = q.shape[1], k.shape[1]
-    if Hkv == 0 or H % Hkv:
-        raise ValueError(f"query heads H={H} must be a multiple of key/value heads Hkv={Hkv}")
-    if q.shape[2] > k.shape[2]:
-        raise ValueError(f"T={q.shape[2]} queries but only S={k.shape[2]} keys: queries are the last T "
-                         f"of the S key positions, so T <= S")
-
-
-def _check_per_token(name: str, t: Tensor | None, q: Tensor, S: int, kind: type) -> Tensor | None:
-    if t is None:
-        return None
-    if not isinstance(t, Tensor):
-        raise TypeError(f"{name} must be a tensor, got {type(t).__name__}")
-    if kind is bool and t.dtype != torch.bool:
-        raise TypeError(f"{name} must be a bool tensor (True = real token), got dtype {t.dtype}")
-    if kind is int and (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool):
-        raise TypeError(f"{name} must be an integer tensor, got dtype {t.dtype}")
-    if t.shape != (q.shape[0], S):
-        raise ValueError(f"{name} must have shape (B={q.shape[0]}, S={S}), got {tuple(t.shape)}")
-    return t.to(q.device)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from selfattn.checks import positive_ints
+from selfattn._validate import positive_ints
 
 
 class KVCache:

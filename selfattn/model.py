@@ -25,8 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from selfattn.attention import SelfAttention, choose_backend
-from selfattn.checks import positive_int
+from selfattn import _validate, backends
+from selfattn.attention import SelfAttention
 from selfattn.kv_cache import KVCache
 from selfattn.sampling import check_sampling, next_token
 
@@ -50,15 +50,13 @@ class GPTConfig:
     gelu_approximate: str = "tanh"  # GELU in the MLP: "tanh" (GPT-2's "gelu_new") or "none" (exact erf)
 
     def __post_init__(self):
-        for name in ("vocab_size", "block_size", "n_layer"):
-            positive_int(name, getattr(self, name))
+        _validate.positive_ints(vocab_size=self.vocab_size, block_size=self.block_size, n_layer=self.n_layer)
         if self.pos not in ("learned", "rope"):
             raise ValueError(f"pos must be 'learned' or 'rope', got {self.pos!r}")
         if self.gelu_approximate not in ("tanh", "none"):
             raise ValueError(f"gelu_approximate must be 'tanh' or 'none', got {self.gelu_approximate!r}")
-        if not isinstance(self.layer_norm_eps, (int, float)) or not self.layer_norm_eps > 0:
-            raise ValueError(f"layer_norm_eps must be a positive number, got {self.layer_norm_eps!r}")
-        choose_backend(self.backend)  # raises on an unknown name; head sizes are checked by SelfAttention
+        _validate.positive_number("layer_norm_eps", self.layer_norm_eps)
+        backends.resolve(self.backend)  # raises on an unknown name; head sizes are checked by SelfAttention
 
 
 class MLP(nn.Module):
@@ -157,8 +155,7 @@ class GPT(nn.Module):
         """One empty :class:`KVCache` per layer for ``batch_size`` rows and up to ``max_len``
         positions (default and maximum ``block_size``), in the model's dtype and device."""
         max_len = self.config.block_size if max_len is None else max_len
-        positive_int("batch_size", batch_size)
-        positive_int("max_len", max_len)
+        _validate.positive_ints(batch_size=batch_size, max_len=max_len)
         if max_len > self.config.block_size:
             raise ValueError(f"max_len={max_len} exceeds block_size={self.config.block_size}")
         w = self.wte.weight
@@ -181,7 +178,7 @@ class GPT(nn.Module):
         logits = self.lm_head(self._hidden(idx, mask, cache, past))  # (B, T, V)
         if targets is None:
             return logits, None
-        if not isinstance(targets, Tensor) or targets.shape != idx.shape or not _is_int(targets):
+        if not isinstance(targets, Tensor) or targets.shape != idx.shape or not _validate.is_integer(targets):
             raise ValueError(f"targets must be an integer tensor shaped like idx {tuple(idx.shape)}, got "
                              f"{tuple(targets.shape) if isinstance(targets, Tensor) else type(targets).__name__}")
         work = torch.promote_types(logits.dtype, torch.float32)  # half logits: the loss in float32
@@ -224,7 +221,7 @@ class GPT(nn.Module):
         """
         self._check_idx(idx)
         B, T = idx.shape
-        _check_count("max_new_tokens", max_new_tokens)
+        _validate.count("max_new_tokens", max_new_tokens)
         check_sampling(temperature, top_k, top_p)
         if eos_token is not None and (not isinstance(eos_token, int) or not 0 <= eos_token < self.config.vocab_size):
             raise ValueError(f"eos_token must be a token id in [0, {self.config.vocab_size}), got {eos_token!r}")
@@ -270,7 +267,7 @@ class GPT(nn.Module):
             raise TypeError(f"idx must be a tensor of token ids, got {type(idx).__name__}")
         if idx.dim() != 2:
             raise ValueError(f"idx must have shape (B, T), got {tuple(idx.shape)}")
-        if not _is_int(idx):
+        if not _validate.is_integer(idx):
             raise TypeError(f"idx must be an integer tensor of token ids, got dtype {idx.dtype}")
         if idx.device != self.wte.weight.device:
             raise ValueError(f"idx is on {idx.device} but the model is on {self.wte.weight.device}")
@@ -319,11 +316,3 @@ class GPT(nn.Module):
             mask = mask.bool()
         return mask.to(device)
 
-
-def _is_int(t: Tensor) -> bool:
-    return not (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool)
-
-
-def _check_count(name: str, value) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise ValueError(f"{name} must be a non-negative int, got {value!r}")

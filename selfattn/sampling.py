@@ -1,13 +1,20 @@
-"""Choosing the next token from logits: temperature, top-k, top-p (nucleus), greedy.
+"""Choosing the next token from logits (temperature, top-k, top-p, greedy), and text streamed
+from a model.
 
 The filters are pure functions over logits ``(..., V)``: they return new logits with the
 excluded tokens set to ``-inf`` and never touch the ones they keep, so each is testable
 exactly on a hand-made distribution. :func:`next_token` chains them in the usual order
 (temperature, then top-k, then top-p, as in Hugging Face ``transformers``) and draws.
+
+:func:`stream` generates past the model's ``block_size`` by sliding the context, and
+:func:`text_pieces` turns tokens into text as they come: a character whose UTF-8 bytes span
+several tokens is emitted whole once its last byte arrives.
 """
 from __future__ import annotations
 
+import codecs
 import numbers
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch import Tensor
@@ -63,3 +70,31 @@ def check_sampling(temperature, top_k, top_p) -> None:
     if top_p is not None and (not isinstance(top_p, numbers.Real) or isinstance(top_p, bool)
                               or not 0.0 < top_p <= 1.0):
         raise ValueError(f"top_p must be in (0, 1] or None, got {top_p!r}")
+
+
+def stream(model, ids: list[int], max_new_tokens: int, **sampling) -> Iterator[int]:
+    """New tokens of ``model`` (a :class:`~selfattn.model.GPT`) one at a time after ``ids``.
+    Past ``block_size`` the context slides: it is cut to its last half and read again."""
+    block = model.config.block_size
+    context = list(ids)
+    device = model.wte.weight.device
+    remaining = max_new_tokens
+    while remaining > 0:
+        if len(context) >= block:
+            context = context[-(block // 2):]  # keep the last half; the model reads it afresh
+        n = min(remaining, block - len(context) + 1)  # the last new token is never fed back
+        for token in model.generate(torch.tensor([context], device=device), n, **sampling):
+            context.append(int(token))
+            yield context[-1]
+        remaining -= n
+
+
+def text_pieces(tokenizer, tokens: Iterable[int]) -> Iterator[str]:
+    """One string per token: the characters its bytes complete (possibly ""), then whatever an
+    unfinished character at the end decodes to. Invalid UTF-8 becomes U+FFFD."""
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    for token in tokens:
+        yield decoder.decode(tokenizer.token_bytes(token))
+    tail = decoder.decode(b"", final=True)
+    if tail:
+        yield tail

@@ -4,7 +4,8 @@ import torch
 
 from selfattn.kv_cache import KVCache
 from selfattn.sampling import next_token, top_k_filter, top_p_filter
-from test_model import BACKENDS, VARIANTS, left_pad, scrambled, small
+
+from helpers.models import BACKENDS, VARIANTS, left_pad, scrambled, small
 
 INF = float("inf")
 SPLITS = {"token-by-token": [5] + [1] * 11, "chunks": [4, 3, 1, 5, 3]}  # prefill, then the rest; 16 tokens
@@ -85,7 +86,7 @@ def test_new_cache_and_bad_caches():
     assert model.new_cache(1)[0].k.dtype == torch.float64
     with pytest.raises(ValueError, match="max_len=25 exceeds block_size=24"):
         model.new_cache(1, max_len=25)
-    with pytest.raises(ValueError, match="batch_size must be positive, got 0"):
+    with pytest.raises(ValueError, match="batch_size must be a positive int, got 0"):
         model.new_cache(0)
     idx = torch.zeros(2, 3, dtype=torch.long)
     with pytest.raises(ValueError, match="cache is for batch 3, torch.float32"):

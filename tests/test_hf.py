@@ -13,14 +13,16 @@ import transformers  # noqa: E402  (the [hf] extra, part of [dev])
 
 from selfattn.hf import from_hf, load_gpt2, to_hf  # noqa: E402
 from selfattn.model import GPT, GPTConfig  # noqa: E402
-from test_model import left_pad  # noqa: E402
+
+from helpers.models import left_pad  # noqa: E402
 
 transformers.logging.set_verbosity_error()
 CONFIGS = {
     "gelu_new": dict(vocab_size=97, n_positions=40, n_embd=48, n_layer=3, n_head=4),
     "pytorch-tanh-eps": dict(vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=2,
                              activation_function="gelu_pytorch_tanh", layer_norm_epsilon=1e-3),
-    "exact-gelu-1-head": dict(vocab_size=50, n_positions=24, n_embd=16, n_layer=1, n_head=1, activation_function="gelu"),
+    "exact-gelu-1-head": dict(vocab_size=50, n_positions=24, n_embd=16, n_layer=1, n_head=1,
+                              activation_function="gelu"),
 }
 
 

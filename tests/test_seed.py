@@ -6,13 +6,15 @@ import pytest
 import torch
 
 from selfattn import SelfAttention
-from selfattn.demo import run as demo_text
-from seed_reference import SeedSelfAttention
+from selfattn.analysis.worked_example import worked_example as demo_text
+from selfattn.bench.peers import SeedSelfAttention
 
 
-def test_worked_example_reproduces_exactly():
+@pytest.mark.parametrize("module", [SelfAttention, SeedSelfAttention])
+def test_worked_example_reproduces_exactly(module):
+    """The seed document's script, on our module and on the seed's own (the benchmark peer)."""
     torch.manual_seed(0)
-    attn = SelfAttention(8, 2)
+    attn = module(8, 2)
     x = torch.randn(1, 4, 8)
     y1 = attn(x)
     x2 = x.clone()

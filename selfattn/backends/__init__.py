@@ -1,20 +1,21 @@
-"""Attention backends: interchangeable implementations of one contract.
+"""Attention backends: interchangeable implementations of one contract, and ``"auto"``.
 
-Each backend module has ``run(q, k, v, mask, *, scale, dropout_p) -> out`` with
-q ``(B, H, T, D)``, k and v ``(B, Hkv, S, D)``, out ``(B, H, T, D)``, and may have
-``unsupported(q, k, v, mask, dropout_p) -> str | None`` saying why it can't serve a request.
+Every backend is a module of this package that satisfies :class:`Backend`:
 
 - ``math``: the seed's explicit formula, the executable spec (and the only one that can
   return the attention weights);
 - ``sdpa``: ``torch.nn.functional.scaled_dot_product_attention``;
 - ``tiled``: the FlashAttention algorithm in plain PyTorch, memory linear in T;
 - ``triton``: a fused GPU kernel (optional extra ``triton``), imported on first use.
+
+:func:`resolve` turns ``"auto"`` into a backend name; :func:`load` imports one;
+:func:`availability` says whether one can run on a device here, without raising.
 """
 from __future__ import annotations
 
 import importlib
 import sys
-from types import ModuleType
+from typing import Protocol
 
 import torch
 from torch import Tensor
@@ -24,40 +25,52 @@ from selfattn.masks import Mask
 NAMES = ("math", "sdpa", "tiled", "triton")
 
 
-def load(name: str) -> ModuleType:
-    """The backend module called ``name`` (imported lazily: triton is optional)."""
+class Backend(Protocol):
+    """What a backend module provides. q ``(B, H, T, D)``, k and v ``(B, Hkv, S, D)``, out
+    ``(B, H, T, D)``; ``mask`` is the request's :class:`~selfattn.masks.Mask`. Requests reach
+    a backend validated, with T >= 1 and B >= 1."""
+
+    RETURNS_WEIGHTS: bool  # whether ``run_with_weights`` exists: (out, weights (B, H, T, S))
+
+    def available(self, device: torch.device) -> str | None:
+        """Why this backend cannot run on ``device`` on this machine, or None when it can."""
+
+    def unsupported(self, q: Tensor, k: Tensor, v: Tensor, mask: Mask, dropout_p: float) -> str | None:
+        """Why this backend cannot serve this request (dtype, head size, device, ...), or None."""
+
+    def run(self, q: Tensor, k: Tensor, v: Tensor, mask: Mask, *, scale: float, dropout_p: float) -> Tensor:
+        """The attention output."""
+
+
+def resolve(name: str, *, return_weights: bool = False) -> str:
+    """The backend that serves ``name``; ``"auto"`` is the math backend when weights are asked
+    for, else PyTorch's fused kernel: ``selfattn bench attention`` measured it the fastest
+    within noise in float32 at every T (for bfloat16 rows of 512 keys or fewer on CPU the
+    plain formula is faster, which ``auto`` does not yet exploit)."""
+    if name == "auto":
+        return "math" if return_weights else "sdpa"
     if name not in NAMES:
         raise ValueError(f"unknown attention backend {name!r}; choose one of {('auto',) + NAMES}")
+    return name
+
+
+def load(name: str) -> Backend:
+    """The backend module called ``name`` (imported lazily: triton is optional)."""
     loaded = sys.modules.get(f"selfattn.backends.{name}")  # no import machinery once loaded: torch.compile traces this
-    return loaded if loaded is not None else importlib.import_module(f"selfattn.backends.{name}")
+    if loaded is not None and name in NAMES:
+        return loaded
+    return importlib.import_module(f"selfattn.backends.{resolve(name)}")
 
 
-def repeat_kv(x: Tensor, n_head: int) -> Tensor:
-    """GQA: share each of Hkv key/value heads with H / Hkv query heads. (B, Hkv, S, D) -> (B, H, S, D)."""
-    B, Hkv, S, D = x.shape
-    if Hkv == n_head:
-        return x
-    return x[:, :, None].expand(B, Hkv, n_head // Hkv, S, D).reshape(B, n_head, S, D)
-
-
-def dense_mask(mask: Mask, T: int, S: int, device) -> tuple[Tensor, Tensor | None]:
-    """The dense boolean mask ``(B or 1, 1, T, S)`` for backends that take one, and the rows
-    that can see nothing ``(B, 1, T, 1)`` (None when there can be none).
-
-    Empty rows are un-masked here so the softmax stays finite (no NaN, in forward or
-    backward); the caller zeroes their output with ``out.masked_fill(empty, 0)``.
-    """
-    allowed = mask.dense(T, S, device)
-    if not mask.may_have_empty_rows:
-        return allowed, None
-    empty = ~allowed.any(dim=-1, keepdim=True)  # (B, 1, T, 1)
-    return allowed | empty, empty
-
-
-def half(dtype: torch.dtype) -> bool:
-    return dtype in (torch.float16, torch.bfloat16)
+def availability(name: str, device: torch.device | str = "cpu") -> str | None:
+    """Why backend ``name`` cannot run on ``device`` here (a missing extra, no GPU), or None."""
+    try:
+        backend = load(name)
+    except ImportError as e:
+        return str(e)
+    return backend.available(torch.device(device))
 
 
 # The pure-PyTorch backends are imported up front so that torch.compile never has to trace an
 # import (``load`` finds them in sys.modules); only the optional triton backend stays lazy.
-from selfattn.backends import math, sdpa, tiled  # noqa: E402,F401  (they import the helpers above)
+from selfattn.backends import math, sdpa, tiled  # noqa: E402,F401

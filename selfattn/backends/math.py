@@ -10,8 +10,18 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from selfattn.backends import dense_mask, half, repeat_kv
+from selfattn.backends._common import dense_mask, half, repeat_kv
 from selfattn.masks import Mask
+
+RETURNS_WEIGHTS = True
+
+
+def available(device: torch.device) -> str | None:
+    return None  # plain PyTorch: wherever PyTorch runs
+
+
+def unsupported(q: Tensor, k: Tensor, v: Tensor, mask: Mask, dropout_p: float) -> str | None:
+    return None  # the spec serves every request
 
 
 def run(q: Tensor, k: Tensor, v: Tensor, mask: Mask, *, scale: float, dropout_p: float = 0.0) -> Tensor:

@@ -6,11 +6,22 @@ Every other request passes the explicit boolean mask from :mod:`selfattn.masks`.
 """
 from __future__ import annotations
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from selfattn.backends import dense_mask
+from selfattn.backends._common import dense_mask
 from selfattn.masks import Mask
+
+RETURNS_WEIGHTS = False
+
+
+def available(device: torch.device) -> str | None:
+    return None  # PyTorch's own kernel: wherever PyTorch runs
+
+
+def unsupported(q: Tensor, k: Tensor, v: Tensor, mask: Mask, dropout_p: float) -> str | None:
+    return None  # every mask as an explicit boolean mask
 
 
 def run(q: Tensor, k: Tensor, v: Tensor, mask: Mask, *, scale: float, dropout_p: float = 0.0) -> Tensor:

@@ -36,8 +36,8 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from selfattn.backends import half
-from selfattn.checks import positive_ints
+from selfattn._validate import positive_ints
+from selfattn.backends._common import half
 from selfattn.masks import Mask
 
 # Tile sizes: each tile costs ~10 PyTorch calls, so tiles must be large enough to hide the
@@ -46,6 +46,15 @@ from selfattn.masks import Mask
 BLOCK_Q = 256  # query rows per tile
 BLOCK_K = 256  # key columns per tile
 LOG2E = 1.4426950408889634  # log2(e): scores are kept in log2 units, so exp is exp2 (3x faster on CPU)
+RETURNS_WEIGHTS = False
+
+
+def available(device: torch.device) -> str | None:
+    return None  # plain PyTorch: wherever PyTorch runs
+
+
+def unsupported(q: Tensor, k: Tensor, v: Tensor, mask: Mask, dropout_p: float) -> str | None:
+    return None  # every mask, dtype, head size and dropout
 
 
 class Tile(NamedTuple):

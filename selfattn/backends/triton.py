@@ -39,13 +39,30 @@ try:
 except ImportError as e:  # the optional extra is missing
     raise ImportError("backend 'triton' needs Triton: pip install 'selfattn[triton]'") from e
 
-from selfattn.backends.triton_kernels import (INTERPRET, INTERPRET_BLOCK, bwd_delta_kernel, bwd_dkdv_kernel,
-                                              bwd_dq_kernel, fwd_kernel)
+from selfattn.backends.triton_kernels import (
+    INTERPRET,
+    INTERPRET_BLOCK,
+    bwd_delta_kernel,
+    bwd_dkdv_kernel,
+    bwd_dq_kernel,
+    fwd_kernel,
+)
 from selfattn.masks import Mask
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 128
 LOG2E = 1.4426950408889634
+RETURNS_WEIGHTS = False
+
+
+def available(device: torch.device) -> str | None:
+    """A CUDA device, or the CPU under Triton's interpreter."""
+    if device.type == "cuda" and torch.cuda.is_available():
+        return None
+    if device.type == "cpu" and INTERPRET:
+        return None
+    return (f"needs a CUDA device, or the CPU under Triton's interpreter (TRITON_INTERPRET=1 set before triton "
+            f"is imported); {device} is neither")
 
 
 def unsupported(q: Tensor, k: Tensor, v: Tensor, mask: Mask, dropout_p: float) -> str | None:

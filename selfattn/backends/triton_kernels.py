@@ -157,6 +157,36 @@ def _fwd_tiles(acc, l_i, m_i, q, p, doc_q, K, V, KPM, DOC, sk_s, sk_d, sv_s, sv_
     return acc, l_i, m_i
 
 
+@triton.jit
+def _query_tile(Q, K, V, KPM, DOC, sq_b, sq_h, sq_t, sq_d, sk_b, sk_h, sv_b, sv_h, skpm_b, sdoc_b, sdoc_s,
+                H, GROUP, T, S, W, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_DOC: tl.constexpr,
+                PER_TOKEN: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr):
+    """What the two query-tile kernels (forward and dQ) set up alike: this program's batch
+    row b, head h and query rows i (positions p on the key axis), the q tile, K/V/KPM/DOC
+    moved to the batch row and key/value head, the queries' document ids, and the key-tile
+    ranges of :func:`_key_ranges`."""
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
+    hk = h // GROUP  # GQA: query head h reads key/value head h // (H / Hkv), nothing copied
+    i = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    p = S - T + i  # query positions on the key axis
+    offs_d = tl.arange(0, BLOCK_D)
+    q_mask = (i[:, None] < T) & (offs_d[None, :] < D)
+    q = tl.load(Q + b * sq_b + h * sq_h + i[:, None] * sq_t + offs_d[None, :] * sq_d, mask=q_mask, other=0.0)
+    DOC += b * sdoc_b
+    doc_q = tl.zeros([BLOCK_M], dtype=tl.int32)
+    if HAS_DOC:
+        doc_q = tl.load(DOC + p * sdoc_s, mask=i < T, other=0)
+    p_lo = S - T + pid_m * BLOCK_M
+    p_hi = S - T + tl.minimum(pid_m * BLOCK_M + BLOCK_M, T) - 1
+    lo, full_lo, full_hi, hi = _key_ranges(p_lo, p_hi, S, W, CAUSAL, HAS_WINDOW, PER_TOKEN, BLOCK_N)
+    return (b, h, i, p, offs_d, q_mask, q, K + b * sk_b + hk * sk_h, V + b * sv_b + hk * sv_h, KPM + b * skpm_b, DOC,
+            doc_q, lo, full_lo, full_hi, hi)
+
+
 @_autotune(FWD_TILES)
 @triton.jit
 def fwd_kernel(Q, K, V, O, LSE, KPM, DOC,
@@ -167,31 +197,12 @@ def fwd_kernel(Q, K, V, O, LSE, KPM, DOC,
                PER_TOKEN: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """One program per (query tile, batch * head): O and LSE for BLOCK_M queries."""
-    pid_m = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = (bh // H).to(tl.int64)
-    h = (bh % H).to(tl.int64)
-    hk = h // GROUP  # GQA: query head h reads key/value head h // (H / Hkv), nothing copied
-    off = S - T
-    i = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    p = off + i  # query positions on the key axis
-    offs_d = tl.arange(0, BLOCK_D)
-    q_mask = (i[:, None] < T) & (offs_d[None, :] < D)
-    q = tl.load(Q + b * sq_b + h * sq_h + i[:, None] * sq_t + offs_d[None, :] * sq_d, mask=q_mask, other=0.0)
-    K += b * sk_b + hk * sk_h
-    V += b * sv_b + hk * sv_h
-    KPM += b * skpm_b
-    DOC += b * sdoc_b
-    doc_q = tl.zeros([BLOCK_M], dtype=tl.int32)
-    if HAS_DOC:
-        doc_q = tl.load(DOC + p * sdoc_s, mask=i < T, other=0)
-
+    b, h, i, p, offs_d, q_mask, q, K, V, KPM, DOC, doc_q, lo, full_lo, full_hi, hi = _query_tile(
+        Q, K, V, KPM, DOC, sq_b, sq_h, sq_t, sq_d, sk_b, sk_h, sv_b, sv_h, skpm_b, sdoc_b, sdoc_s, H, GROUP, T, S, W,
+        CAUSAL, HAS_WINDOW, HAS_DOC, PER_TOKEN, D, BLOCK_D, BLOCK_M, BLOCK_N)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    p_lo = off + pid_m * BLOCK_M
-    p_hi = off + tl.minimum(pid_m * BLOCK_M + BLOCK_M, T) - 1
-    lo, full_lo, full_hi, hi = _key_ranges(p_lo, p_hi, S, W, CAUSAL, HAS_WINDOW, PER_TOKEN, BLOCK_N)
     acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, p, doc_q, K, V, KPM, DOC, sk_s, sk_d, sv_s, sv_d, skpm_s,
                                sdoc_s, S, W, qk_scale, lo, full_lo, True, CAUSAL, HAS_WINDOW, HAS_KPM,
                                HAS_DOC, D, BLOCK_N, BLOCK_D, DOT_PRECISION)
@@ -208,7 +219,7 @@ def fwd_kernel(Q, K, V, O, LSE, KPM, DOC,
     lse = tl.where(empty, float("inf"), m_i + tl.log2(l_safe))
     tl.store(O + b * so_b + h * so_h + i[:, None] * so_t + offs_d[None, :] * so_d, o.to(O.dtype.element_ty),
              mask=q_mask)
-    tl.store(LSE + bh.to(tl.int64) * T + i, lse, mask=i < T)
+    tl.store(LSE + (b * H + h) * T + i, lse, mask=i < T)
 
 
 @triton.jit
@@ -254,33 +265,15 @@ def bwd_dq_kernel(Q, K, V, DO, DQ, LSE, DELTA, KPM, DOC,
                   PER_TOKEN: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """One program per (query tile, batch * head): dQ for BLOCK_M queries over their key tiles."""
-    pid_m = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = (bh // H).to(tl.int64)
-    h = (bh % H).to(tl.int64)
-    hk = h // GROUP
-    off = S - T
-    i = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    p = off + i
-    offs_d = tl.arange(0, BLOCK_D)
-    q_mask = (i[:, None] < T) & (offs_d[None, :] < D)
-    q = tl.load(Q + b * sq_b + h * sq_h + i[:, None] * sq_t + offs_d[None, :] * sq_d, mask=q_mask, other=0.0)
+    b, h, i, p, offs_d, q_mask, q, K, V, KPM, DOC, doc_q, lo, full_lo, full_hi, hi = _query_tile(
+        Q, K, V, KPM, DOC, sq_b, sq_h, sq_t, sq_d, sk_b, sk_h, sv_b, sv_h, skpm_b, sdoc_b, sdoc_s, H, GROUP, T, S, W,
+        CAUSAL, HAS_WINDOW, HAS_DOC, PER_TOKEN, D, BLOCK_D, BLOCK_M, BLOCK_N)
     do = tl.load(DO + b * sdo_b + h * sdo_h + i[:, None] * sdo_t + offs_d[None, :] * sdo_d, mask=q_mask,
                  other=0.0)
-    lse = tl.load(LSE + bh.to(tl.int64) * T + i, mask=i < T, other=0.0)
-    delta = tl.load(DELTA + bh.to(tl.int64) * T + i, mask=i < T, other=0.0)
-    K += b * sk_b + hk * sk_h
-    V += b * sv_b + hk * sv_h
-    KPM += b * skpm_b
-    DOC += b * sdoc_b
-    doc_q = tl.zeros([BLOCK_M], dtype=tl.int32)
-    if HAS_DOC:
-        doc_q = tl.load(DOC + p * sdoc_s, mask=i < T, other=0)
-
+    row = (b * H + h) * T + i  # this head's rows of the (B, H, T) statistics
+    lse = tl.load(LSE + row, mask=i < T, other=0.0)
+    delta = tl.load(DELTA + row, mask=i < T, other=0.0)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    p_lo = off + pid_m * BLOCK_M
-    p_hi = off + tl.minimum(pid_m * BLOCK_M + BLOCK_M, T) - 1
-    lo, full_lo, full_hi, hi = _key_ranges(p_lo, p_hi, S, W, CAUSAL, HAS_WINDOW, PER_TOKEN, BLOCK_N)
     dq = _dq_tiles(dq, q, do, lse, delta, p, doc_q, K, V, KPM, DOC, sk_s, sk_d, sv_s, sv_d, skpm_s, sdoc_s,
                    S, W, qk_scale, lo, full_lo, True, CAUSAL, HAS_WINDOW, HAS_KPM, HAS_DOC, D, BLOCK_N,
                    BLOCK_D, DOT_PRECISION)

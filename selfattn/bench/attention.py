@@ -31,22 +31,17 @@ whose time predicted from the previous T exceeds ``max_call_s`` as "too slow"; n
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from torch import nn
 
-from selfattn import backends, peers
-from selfattn.attention import SelfAttention, choose_backend
+from selfattn import _plot, backends
+from selfattn._validate import positive_ints
+from selfattn.attention import SelfAttention
 from selfattn.bench import common, memory
-from selfattn.checks import positive_ints
-from selfattn.masks import Mask
+from selfattn.bench.impls import IMPLS, MODES, OURS, Impl, call, implementation, inputs, reference
 
-OURS = ("auto",) + backends.NAMES
-IMPLS = OURS + peers.ATTENTION_PEERS
-MODES = ("fwd", "fwd+bwd")
 GIB = 2 ** 30
 
 # Implementations that materialise the (B, H, T, T) scores: how many such matrices to budget
@@ -96,87 +91,6 @@ QUICK = Settings(seq_lens=(128, 256, 512), tokens=512, n_embd=64, n_head=2, max_
                  matmul_n=1024)  # two heads of 32: the multi-head paths run too
 
 
-@dataclass(frozen=True)
-class Impl:
-    """An implementation: its name, ``"ours"`` or ``"peer"``, and how to build it from the
-    reference ``SelfAttention`` whose weights it takes."""
-    name: str
-    kind: str
-    build: Callable[[SelfAttention], nn.Module] = field(compare=False)
-
-    def unavailable(self, device: torch.device, dtype: torch.dtype, n_head: int, head_dim: int) -> str | None:
-        """Why this implementation cannot run here (a missing extra, a backend that refuses
-        the device or dtype), or None."""
-        if self.kind == "ours":
-            name = choose_backend(self.name)
-            try:
-                backend = backends.load(name)
-            except ImportError as e:
-                return str(e)
-            probe = torch.zeros(1, n_head, 8, head_dim, device=device, dtype=dtype)  # (B, H, T, D)
-            return getattr(backend, "unsupported", lambda *a: None)(probe, probe, probe, Mask(), 0.0)
-        if self.name.startswith("hf-"):
-            try:
-                import transformers.models.gpt2.modeling_gpt2  # noqa: F401
-            except ImportError as e:
-                return f"needs transformers ({e}): pip install 'selfattn[hf]'"
-        if self.name == "seed" and device.type != "cpu":
-            return "the seed's module builds its mask with torch.tril(torch.ones(T, T)) on the CPU"
-        return None
-
-
-def implementation(name: str) -> Impl:
-    if name in OURS:
-        return Impl(name, "ours", lambda ref, n=name: _ours(n, ref))
-    if name in peers.ATTENTION_PEERS:
-        return Impl(name, "peer", lambda ref, n=name: peers.attention_peer(n, ref))
-    raise ValueError(f"unknown implementation {name!r}; choose from {IMPLS}")
-
-
-def _ours(backend: str, ref: SelfAttention) -> nn.Module:
-    C = ref.n_head * ref.head_dim
-    ours = SelfAttention(C, ref.n_head, backend=backend).to(device=ref.qkv.weight.device, dtype=ref.qkv.weight.dtype)
-    ours.load_state_dict(ref.state_dict())
-    return ours
-
-
-def reference(n_embd: int, n_head: int, device, dtype) -> SelfAttention:
-    """The weights every implementation gets: drawn in float32 from a fixed seed, then cast."""
-    g = torch.Generator().manual_seed(1234)
-    ref = SelfAttention(n_embd, n_head, backend="math")
-    with torch.no_grad():
-        for p in ref.parameters():
-            p.uniform_(-n_embd ** -0.5, n_embd ** -0.5, generator=g)  # nn.Linear's default range
-    return ref.to(device=device, dtype=dtype)
-
-
-def build(name: str, n_embd: int, n_head: int, device, dtype) -> nn.Module:
-    """Implementation ``name`` with the reference weights (the memory child uses this too)."""
-    module = implementation(name).build(reference(n_embd, n_head, device, dtype)).eval()
-    if name in OURS:
-        backends.load(choose_backend(name))  # import the backend now, not inside a measured call
-    return module
-
-
-def inputs(B: int, T: int, C: int, device, dtype, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """The input ``x`` and the output gradient ``g``, both ``(B, T, C)``, fixed by ``seed`` and T."""
-    g = torch.Generator().manual_seed(seed * 100003 + T)
-    x = torch.randn(B, T, C, generator=g).to(device=device, dtype=dtype)  # (B, T, C)
-    grad = torch.randn(B, T, C, generator=g).to(device=device, dtype=dtype)  # (B, T, C)
-    return x, grad
-
-
-def call(module: nn.Module, x: torch.Tensor, grad: torch.Tensor, mode: str) -> torch.Tensor:
-    """One timed unit: the output (``fwd``) or the input gradient (``fwd+bwd``)."""
-    if mode == "fwd":
-        with torch.no_grad():
-            return module(x)
-    module.zero_grad(set_to_none=True)
-    x = x.detach().requires_grad_()
-    module(x).backward(grad)
-    return x.grad
-
-
 def attention_flops(B: int, T: int, H: int, D: int, mode: str) -> float:
     """Causal attention FLOPs: forward 2·B·H·T²·D, backward 2.5x that (see the module doc)."""
     fwd = 2 * B * H * T * T * D
@@ -191,7 +105,7 @@ def module_flops(B: int, T: int, C: int, H: int, mode: str) -> float:
 
 def estimate_bytes(name: str, B: int, T: int, C: int, H: int, dtype: torch.dtype, mode: str) -> int:
     """A generous estimate of one call's peak memory, to skip what would not fit."""
-    name = choose_backend(name) if name in OURS else name
+    name = backends.resolve(name) if name in OURS else name
     item = torch.empty((), dtype=dtype).element_size()
     score_item = max(item, 4) if name == "math" else item  # math keeps half-precision scores in float32
     copies = _MATERIALISED.get(name, (0, 0))[MODES.index(mode)]
@@ -234,11 +148,10 @@ def default_dtypes(device: torch.device) -> tuple[str, ...]:
 
 
 def run(settings: Settings, device: torch.device, *, impls: list[Impl] | None = None, log=print) -> dict:
-    """The whole suite; returns the JSON-ready result (see :func:`selfattn.bench.main`)."""
+    """The whole suite; returns the JSON-ready result (see :mod:`selfattn.bench`)."""
     settings.check()
     dtypes = settings.dtypes or default_dtypes(device)
     impls = impls if impls is not None else [implementation(n) for n in settings.impls]
-    C, H = settings.n_embd, settings.n_head
     cap = memory_cap(device, settings.max_mem_gib)
     info = common.machine(device)
     log(common.describe(info))
@@ -261,7 +174,7 @@ def run(settings: Settings, device: torch.device, *, impls: list[Impl] | None = 
         _measure_memory(rows, settings, device, dtypes if device.type != "cpu" else dtypes[:1], log)
     result = {"suite": "attention", "machine": info,
               "settings": dict(asdict(settings), dtypes=list(dtypes), impls=[i.name for i in impls],
-                               max_mem_bytes=cap, matmul_n=n, auto_backend=choose_backend("auto")),
+                               max_mem_bytes=cap, matmul_n=n, auto_backend=backends.resolve("auto")),
               "flops": {"forward": "8·B·T·C² (projections) + 2·B·H·T²·D (causal attention: QKᵀ, PV, half each)",
                         "forward+backward": "3·8·B·T·C² + 3.5·2·B·H·T²·D (backward: 2x projections, 2.5x attention)"},
               "matmul": ceiling, "gate": gate, "results": rows}
@@ -514,9 +427,9 @@ def _mem_cell(r: dict | None) -> str:
 
 def plot(result: dict, path: Path) -> Path:
     """Time per T for each mode, and fwd+bwd peak memory, one row per dtype (log-log)."""
-    plt = common.pyplot()
     rows, s = result["results"], result["settings"]
-    fig, axes = plt.subplots(len(s["dtypes"]), 3, figsize=(16, 4.5 * len(s["dtypes"])), squeeze=False)
+    fig = _plot.figure(figsize=(16, 4.5 * len(s["dtypes"])))
+    axes = fig.subplots(len(s["dtypes"]), 3, squeeze=False)
     for i, dt in enumerate(s["dtypes"]):
         for j, (mode, key, label) in enumerate((("fwd", "time_s", "fwd: ms"), ("fwd+bwd", "time_s", "fwd+bwd: ms"),
                                                ("fwd+bwd", "peak_bytes", "fwd+bwd: peak MiB"))):
@@ -537,39 +450,4 @@ def plot(result: dict, path: Path) -> Path:
     fig.suptitle(f"selfattn bench attention: B·T = {s['tokens']}, C = {s['n_embd']}, H = {s['n_head']} "
                  f"({result['machine']['cpu']}, {result['machine']['device']})")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
-
-
-def add_arguments(p) -> None:
-    p.add_argument("--dtype", nargs="+", choices=tuple(common.DTYPES), default=None,
-                   help="dtypes (default: float32, and bfloat16 where the hardware supports it)")
-    p.add_argument("--seq-lens", type=int, nargs="+", default=None,
-                   help=f"the T sweep, each dividing --tokens (default {FULL.seq_lens}, --quick {QUICK.seq_lens})")
-    p.add_argument("--tokens", type=int, default=None,
-                   help=f"B·T, fixed across the sweep (default {FULL.tokens}, --quick {QUICK.tokens})")
-    p.add_argument("--n-embd", type=int, default=None, help=f"width C (default {FULL.n_embd}, --quick {QUICK.n_embd})")
-    p.add_argument("--n-head", type=int, default=None,
-                   help=f"heads H, head dim C / H (default {FULL.n_head}, --quick {QUICK.n_head})")
-    p.add_argument("--impls", nargs="+", choices=IMPLS, default=None, help="implementations to run (default: all)")
-    p.add_argument("--max-mem-gib", type=float, default=None,
-                   help="skip configurations estimated to need more (default: 90%% of free accelerator memory, "
-                        "50%% of available RAM)")
-    p.add_argument("--max-call-s", type=float, default=None,
-                   help=f"skip an implementation once its predicted time per call exceeds this "
-                        f"(default {FULL.max_call_s:g}, --quick {QUICK.max_call_s:g})")
-    p.add_argument("--no-memory", action="store_true", help="do not measure peak memory")
-
-
-def settings_from(args) -> Settings:
-    s = Settings(**asdict(QUICK if args.quick else FULL))
-    for flag, name in (("dtype", "dtypes"), ("seq_lens", "seq_lens"), ("impls", "impls")):
-        if getattr(args, flag, None) is not None:
-            setattr(s, name, tuple(getattr(args, flag)))
-    for name in ("tokens", "n_embd", "n_head", "max_mem_gib", "max_call_s", "reps"):
-        if getattr(args, name, None) is not None:
-            setattr(s, name, getattr(args, name))
-    if getattr(args, "no_memory", False):
-        s.memory = False
-    return s
+    return _plot.save(fig, path, dpi=110)

@@ -20,6 +20,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from selfattn import _files
+
 # Largest tolerated relative error (max |a - b| / max |b|) of an implementation against the
 # reference, per dtype: float32 rounding over a few hundred terms stays near 1e-6; bfloat16
 # keeps 8 bits of mantissa (relative step 2^-8 = 0.4%) and some peers also round the scores.
@@ -30,21 +32,6 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 class CorrectnessError(AssertionError):
     """An implementation disagrees with the reference: no timing of it is trustworthy."""
-
-
-def resolve_device(name: str) -> torch.device:
-    """``"auto"``: the current accelerator (CUDA, ...) when there is one, else the CPU."""
-    if name == "auto":
-        acc = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
-        return acc if acc is not None else torch.device("cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError as e:
-        raise ValueError(f"--device {name!r} is not a torch device ({e})") from None
-    if device.type != "cpu" and not (torch.accelerator.is_available()
-                                     and torch.accelerator.current_accelerator().type == device.type):
-        raise ValueError(f"--device {name!r}: no such device on this machine")
-    return device
 
 
 def pin_threads(threads: int | None) -> int:
@@ -181,19 +168,8 @@ def check_close(what: str, actual: Tensor, expected: Tensor, dtype: torch.dtype)
 def write_json(out: Path, name: str, result: dict) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{name}.json"
-    path.write_text(json.dumps(result, indent=2) + "\n")
+    _files.write_text(path, json.dumps(result, indent=2) + "\n")
     return path
-
-
-def pyplot():
-    """matplotlib's pyplot on the non-interactive Agg backend (optional extra ``viz``)."""
-    try:
-        import matplotlib
-    except ImportError as e:
-        raise ImportError("selfattn bench plots need matplotlib: pip install 'selfattn[viz]'") from e
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    return plt
 
 
 def table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:

@@ -21,14 +21,14 @@ token-by-token logits equal our full-sequence logits (teacher forcing).
 """
 from __future__ import annotations
 
-import argparse
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
+from selfattn import _plot
+from selfattn._validate import positive_ints
 from selfattn.bench import common
-from selfattn.checks import positive_ints
 from selfattn.model import GPT, GPTConfig
 
 IMPLS = ("kv-cache", "no-cache", "hf-generate")
@@ -213,10 +213,10 @@ def report(result: dict) -> str:
 
 
 def plot(result: dict, path: Path) -> Path:
-    plt = common.pyplot()
     rows = [r for r in result["results"] if r["status"] == "ok"]
     prompts = sorted({r["prompt"] for r in rows})
-    fig, ax = plt.subplots(figsize=(8, 4.5))
+    fig = _plot.figure(figsize=(8, 4.5))
+    ax = fig.subplots()
     width = 0.8 / len(IMPLS)
     for i, name in enumerate(IMPLS):
         vals = [next((r["tokens_per_s"] for r in rows if r["impl"] == name and r["prompt"] == P), 0.0)
@@ -227,25 +227,4 @@ def plot(result: dict, path: Path) -> Path:
     ax.set(yscale="log", ylabel="tokens/s", title=f"selfattn bench decode ({result['machine']['device']})")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--new-tokens", type=int, default=None,
-                   help=f"tokens to generate after each prompt (default {FULL.new_tokens}, --quick {QUICK.new_tokens})")
-    p.add_argument("--prompts", type=int, nargs="+", default=None,
-                   help=f"prompt lengths (default {FULL.prompts}, --quick {QUICK.prompts})")
-
-
-def settings_from(args: argparse.Namespace) -> Settings:
-    s = QUICK if args.quick else FULL
-    s = Settings(**asdict(s))
-    if getattr(args, "new_tokens", None) is not None:
-        s.new_tokens = args.new_tokens
-    if getattr(args, "prompts", None) is not None:
-        s.prompts = tuple(args.prompts)
-    if args.reps is not None:
-        s.reps = args.reps
-    return s
+    return _plot.save(fig, path, dpi=110)

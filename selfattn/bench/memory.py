@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from selfattn.bench import common
+from selfattn.bench import common, impls
 
 
 @dataclass(frozen=True)
@@ -63,8 +63,7 @@ def _context():
     if "forkserver" not in multiprocessing.get_all_start_methods():
         return multiprocessing.get_context("spawn")
     ctx = multiprocessing.get_context("forkserver")
-    preload = ["torch", "selfattn.peers", "selfattn.bench.attention", "selfattn.backends.math",
-               "selfattn.backends.sdpa", "selfattn.backends.tiled"]
+    preload = ["torch", "selfattn.bench.impls", "selfattn.backends"]
     try:
         import transformers.models.gpt2.modeling_gpt2  # noqa: F401  (only to know it is there)
         preload.append("transformers.models.gpt2.modeling_gpt2")
@@ -96,14 +95,13 @@ def _guarded(fn) -> dict:
 def _run(spec: Spec, device: torch.device, meter) -> dict:
     """Build the implementation, take the baseline, make the inputs and run each mode once:
     the peaks include the input, output and gradient tensors, not the (small) weights."""
-    from selfattn.bench import attention
     dtype = common.DTYPES[spec.dtype]
-    module = attention.build(spec.impl, spec.n_embd, spec.n_head, device, dtype)  # imports its backend too
+    module = impls.build(spec.impl, spec.n_embd, spec.n_head, device, dtype)  # imports its backend too
     meter.start()
-    x, g = attention.inputs(spec.B, spec.T, spec.n_embd, device, dtype)
+    x, g = impls.inputs(spec.B, spec.T, spec.n_embd, device, dtype)
     peaks = {}
     for mode in spec.modes:
-        attention.call(module, x, g, mode)
+        impls.call(module, x, g, mode)
         common.sync(device)
         peaks[mode] = meter.peak()
     return {"peak_bytes": peaks, "baseline_bytes": meter.baseline}

@@ -10,16 +10,16 @@ Before timing: the two models' losses and every parameter gradient agree on one 
 """
 from __future__ import annotations
 
-import argparse
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
+from selfattn import _plot
+from selfattn._validate import positive_ints
 from selfattn.bench import common
-from selfattn.checks import positive_ints
+from selfattn.bench.peers import NanoGPT
 from selfattn.model import GPT, GPTConfig
-from selfattn.peers import NanoGPT
 
 IMPLS = ("selfattn", "nanogpt")
 
@@ -115,28 +115,11 @@ def report(result: dict) -> str:
 
 
 def plot(result: dict, path: Path) -> Path:
-    plt = common.pyplot()
     rows = result["results"]
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig = _plot.figure(figsize=(6, 4))
+    ax = fig.subplots()
     ax.bar([r["impl"] for r in rows], [r["tokens_per_s"] for r in rows], color=["C0", "C1"])
     ax.set(ylabel="tokens/s", title=f"selfattn bench train ({result['machine']['device']}, "
                                     f"{result['params'] / 1e6:.1f}M params)")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--batch-size", type=int, default=None,
-                   help=f"rows per training step (default {FULL.batch_size}, --quick {QUICK.batch_size})")
-    p.add_argument("--seq-len", type=int, default=None,
-                   help=f"tokens per row (default {FULL.seq_len}, --quick {QUICK.seq_len})")
-
-
-def settings_from(args: argparse.Namespace) -> Settings:
-    s = Settings(**asdict(QUICK if args.quick else FULL))
-    for name in ("batch_size", "seq_len", "reps"):
-        if getattr(args, name, None) is not None:
-            setattr(s, name, getattr(args, name))
-    return s
+    return _plot.save(fig, path, dpi=110)

@@ -1,0 +1,135 @@
+"""The audits ``selfattn check`` runs: every backend × option of ``SelfAttention``, a GPT and
+its KV cache, or a module a user's factory builds.
+
+Each audit is a :class:`Case`, a name and a function returning its report, so a caller
+decides how to run and show them. Backends are asked whether they run on the device
+(:func:`selfattn.backends.availability`); one that cannot is listed in :func:`skipped` with
+its reason instead of being audited. A backend that refuses float64 (the jacobian's dtype)
+is audited by perturbation only.
+"""
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Iterator
+from typing import NamedTuple
+
+import torch
+from torch import Tensor, nn
+
+from selfattn import backends
+from selfattn.attention import SelfAttention
+from selfattn.audit.cache import CacheReport, check_cache
+from selfattn.audit.causality import CausalityReport, check_causal, input_embedding_name
+from selfattn.masks import Mask
+from selfattn.model import GPT, GPTConfig
+
+OPTIONS = {  # case name -> SelfAttention keywords; "padding" and "documents" add forward keywords
+    "plain": {},
+    "gqa": {"n_kv_head": 2},
+    "mqa": {"n_kv_head": 1},
+    "window": {"window": 4},
+    "rope": {"rope": True},
+    "gqa+rope+window": {"n_kv_head": 2, "rope": True, "window": 4},
+    "padding": {},
+    "documents": {},
+}
+
+
+class Case(NamedTuple):
+    name: str
+    run: Callable[[], CausalityReport | CacheReport]
+
+
+def skipped(device: torch.device) -> dict[str, str]:
+    """{backend: why it cannot run on ``device`` here} for the backends the built-in audit leaves out."""
+    return {name: why for name in backends.NAMES if (why := backends.availability(name, device))}
+
+
+def builtin_cases(T: int, audit: dict, device: torch.device, B: int = 2, C: int = 32, H: int = 4) -> Iterator[Case]:
+    """Every available backend × option of SelfAttention, then a tiny GPT: its causality and its cache."""
+    x = torch.randn(B, T, C).to(device)
+    pad = torch.ones(B, T, dtype=torch.bool, device=device)
+    pad[:, :2] = False  # two left-padding positions in every row: they must be dead
+    docs = (torch.arange(T, device=device) >= T // 3).long().expand(B, T)  # (B, T) two packed documents
+    extra = {"padding": {"key_padding_mask": pad}, "documents": {"doc_ids": docs}}
+    for backend in (name for name in backends.NAMES if name not in skipped(device)):
+        method = audit["method"]
+        if method != "perturb" and _refuses_float64(backend, device, C // H):
+            method = "perturb"  # the jacobian runs in float64
+        for option, kwargs in OPTIONS.items():
+            attn = SelfAttention(C, H, backend=backend, **kwargs).to(device)
+            fn = _With(attn, **extra[option]) if option in extra else attn
+            yield _causal(f"{backend} {option}", fn, x, {**audit, "method": method}, kwargs.get("window"))
+    for name, kwargs in (("gpt", {}), ("gpt rope+gqa+window", {"pos": "rope", "n_kv_head": 2, "window": 4})):
+        gpt = GPT(GPTConfig(vocab_size=64, block_size=max(64, T), n_layer=2, n_head=H, n_embd=C, **kwargs))
+        yield from model_cases(name, gpt, T, audit)
+
+
+def model_cases(name: str, gpt: GPT, T: int, audit: dict, B: int = 2) -> list[Case]:
+    """A GPT's causality on random token ids, and its KV cache: a prompt of T // 2 tokens, the rest new."""
+    T = min(T, gpt.config.block_size)
+    ids = torch.randint(0, gpt.config.vocab_size, (B, T))
+    return [_causal(name, gpt, ids, audit),
+            Case(f"{name} kv-cache", lambda: check_cache(gpt, ids[:, :T // 2], T - T // 2))]
+
+
+def module_case(spec: str, audit: dict, shape: tuple[int, ...], window: int | None = None) -> Case:
+    """The module ``factory()`` returns, for ``spec`` ``"pkg.mod:factory"``, on a random input
+    of ``shape``: token ids ``(B, T)`` when it has an input embedding, else embeddings
+    ``(B, T, C)`` (C from its first Linear or LayerNorm when ``shape`` is ``(B, T)``)."""
+    module = load_factory(spec)()
+    if not callable(module):
+        raise TypeError(f"{spec} returned {type(module).__name__}, not a module or callable")
+    emb = input_embedding_name(module)
+    if emb is not None:
+        if len(shape) != 2:
+            raise ValueError(f"{spec} takes token ids: its input shape is B,T, got {','.join(map(str, shape))}")
+        example = torch.randint(0, module.get_submodule(emb).num_embeddings, shape)
+    else:
+        example = torch.randn(shape if len(shape) == 3 else (*shape, _infer_width(module, spec)))
+    return _causal(spec, module, example, audit, window)
+
+
+def load_factory(spec: str) -> Callable:
+    """The callable ``factory`` of ``"pkg.mod:factory"``, imported."""
+    mod_name, sep, attr = spec.partition(":")
+    if not sep or not mod_name or not attr:
+        raise ValueError(f"--module must look like pkg.mod:factory, got {spec!r}")
+    try:
+        mod = importlib.import_module(mod_name)
+    except ImportError as e:
+        raise ValueError(f"--module: cannot import {mod_name!r}: {e}") from e
+    factory = getattr(mod, attr, None)
+    if not callable(factory):
+        raise ValueError(f"--module: {mod_name!r} has no callable {attr!r}")
+    return factory
+
+
+def _causal(name: str, fn: Callable, example: Tensor, audit: dict, window: int | None = None) -> Case:
+    return Case(name, lambda: check_causal(fn, example, window=window, **audit))
+
+
+def _refuses_float64(backend: str, device: torch.device, head_dim: int) -> bool:
+    probe = torch.zeros(1, 1, 1, head_dim, dtype=torch.float64, device=device)  # (B, H, T, D)
+    return backends.load(backend).unsupported(probe, probe, probe, Mask(), 0.0) is not None
+
+
+class _With(nn.Module):
+    """A module called with fixed keyword arguments (a padding mask, document ids)."""
+
+    def __init__(self, module: nn.Module, **kwargs):
+        super().__init__()
+        self.module, self.kwargs = module, kwargs
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.module(x, **self.kwargs)
+
+
+def _infer_width(module, spec: str) -> int:
+    """C from the module's first Linear (in_features) or LayerNorm (normalized_shape)."""
+    for m in module.modules() if isinstance(module, nn.Module) else ():
+        if isinstance(m, nn.Linear):
+            return m.in_features
+        if isinstance(m, nn.LayerNorm):
+            return m.normalized_shape[-1]
+    raise ValueError(f"cannot infer the width C of {spec}; pass --shape B,T,C")

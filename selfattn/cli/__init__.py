@@ -1,0 +1,60 @@
+"""The ``selfattn`` command: one thin dispatcher over sub-commands.
+
+Each sub-command is a module of this package, ``selfattn.cli.<command>``, exposing
+``add_arguments(parser)`` and ``main(args) -> int``: it parses, calls the library, prints.
+Errors a user can fix (bad flags, bad values, missing files) are one line on stderr and exit
+status 2; ``SELFATTN_DEBUG=1`` shows the traceback instead.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+
+# name -> (module, one-line help); a module is imported only when its command runs.
+COMMANDS = {  # name -> one-line help; the module is selfattn.cli.<name>
+    "demo": "the seed's worked example, computed live: shape walk, parameters, causality",
+    "check": "audit causality: every backend x option, a tiny GPT and its KV cache, or your module",
+    "train": "train a GPT on text (built-in corpus or --data); torchrun for DDP/FSDP; --resume",
+    "sample": "stream text from a trained run or a local GPT-2 folder",
+    "bench": "benchmarks vs the peers, one run: attention T sweep, decode tokens/s, train tokens/s",
+    "heads": "attention maps and ranked head roles (previous-token, induction) of a model",
+    "induction": "train a 2-layer attention-only GPT until induction heads form; 4 heads vs 1",
+    "scaling": "why scores are scaled by 1/sqrt(head_dim): the softmax at init, three scalings",
+}
+
+
+def build_parser(argv: list[str]) -> argparse.ArgumentParser:
+    """The parser; only the chosen sub-command's module is imported (``--help`` imports none)."""
+    parser = argparse.ArgumentParser(prog="selfattn", description="Causal multi-head self-attention from scratch.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    chosen = next((a for a in argv if not a.startswith("-")), None)
+    for name, help_text in COMMANDS.items():
+        if name != chosen:
+            sub.add_parser(name, help=help_text)
+            continue
+        mod = importlib.import_module(f"selfattn.cli.{name}")
+        p = sub.add_parser(name, help=help_text, description=(mod.__doc__ or help_text).strip().split("\n\n")[0],
+                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        mod.add_arguments(p)
+        p.set_defaults(_main=mod.main)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(argv).parse_args(argv)
+    try:
+        return int(args._main(args) or 0)
+    except BrokenPipeError:  # the reader went away (``selfattn sample ... | head``): stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit flush cannot fail again
+        return 0
+    except (ValueError, TypeError, OSError) as e:
+        if os.environ.get("SELFATTN_DEBUG"):
+            raise
+        print(f"selfattn {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"selfattn {args.command}: interrupted", file=sys.stderr)
+        return 130

@@ -1,0 +1,126 @@
+"""Benchmarks against the peers, in one run: attention T sweep, decode tokens/s, train tokens/s.
+
+``selfattn bench attention|decode|train|triton|all [--out DIR] [--quick] [--device D]
+[--threads N]`` runs the suites of :mod:`selfattn.bench`. Each prints its tables and targets
+and writes ``DIR/<suite>.json`` and ``DIR/<suite>.png``; a failed correctness check stops the
+run with exit status 1. ``--quick`` runs small shapes in about a minute; the default run of
+the three CPU suites is sized for ~15 minutes on two CPU cores. ``all`` adds ``triton`` on a
+CUDA device.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+from pathlib import Path
+
+from selfattn import _validate
+from selfattn.bench import GPU_ONLY, SUITES, attention, common, decode, train
+
+HELP = {"attention": "attention layers: our backends vs the peers over a T sweep",
+        "decode": "generation tokens/s: KV cache vs no cache vs transformers' generate",
+        "train": "training-step tokens/s: our GPT vs a nanoGPT-equivalent model",
+        "triton": "the Triton kernel on a CUDA GPU: parity at real sizes, TFLOP/s vs SDPA flash and cuDNN",
+        "all": "every suite, one after the other (triton only on a CUDA device)"}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    sub = p.add_subparsers(dest="suite", required=True, metavar="SUITE")
+    for name, help_text in HELP.items():
+        s = sub.add_parser(name, help=help_text, description=help_text)
+        s.add_argument("--out", default="bench_results",
+                       help="directory for <suite>.json and <suite>.png (default: bench_results)")
+        s.add_argument("--quick", action="store_true", help="small shapes, about a minute")
+        s.add_argument("--device", default="auto", help="cpu, cuda, ... (default auto: the accelerator if any)")
+        s.add_argument("--threads", type=int, default=None, help="torch threads (default: every core available)")
+        if name != "triton":
+            s.add_argument("--reps", type=int, default=None, help="timed repetitions (default: the suite's)")
+        SUITE_FLAGS.get(name, lambda s: None)(s)
+
+
+def main(args: argparse.Namespace) -> int:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the benchmarks never download anything
+    device = _validate.device(args.device)
+    common.pin_threads(args.threads)
+    out = Path(args.out)
+    names = [args.suite] if args.suite != "all" else [n for n in SUITES if n not in GPU_ONLY or device.type == "cuda"]
+    for name in names:
+        suite = SUITES[name]
+        settings = _settings(name, args)
+        print(f"== selfattn bench {name}" + (" (quick)" if args.quick else ""), flush=True)
+        try:
+            result = suite.run(settings, device, log=lambda line: print(line, flush=True))
+        except common.CorrectnessError as e:
+            print(f"selfattn bench {name}: FAILED the correctness check, nothing timed is reported: {e}",
+                  file=sys.stderr)
+            return 1
+        print(suite.report(result))
+        written = [common.write_json(out, name, result)]
+        try:
+            written.append(suite.plot(result, out / f"{name}.png"))
+        except ImportError as e:
+            print(f"no plot: {e}", file=sys.stderr)
+        print("wrote " + ", ".join(map(str, written)), flush=True)
+    return 0
+
+
+def _settings(name: str, args: argparse.Namespace):
+    """The suite's FULL or QUICK settings with the fields its flags set (flags left unset change nothing)."""
+    suite = SUITES[name]
+    base = suite.QUICK if args.quick else suite.FULL
+    fields = {f.name for f in dataclasses.fields(base)}
+    given = {key: value for key, value in vars(args).items() if key in fields and value is not None}
+    given = {key: tuple(value) if isinstance(value, list) else value for key, value in given.items()}
+    if getattr(args, "no_memory", False):
+        given["memory"] = False
+    return dataclasses.replace(base, **given)
+
+
+def _attention_flags(p: argparse.ArgumentParser) -> None:
+    full, quick = attention.FULL, attention.QUICK
+    p.add_argument("--dtypes", "--dtype", nargs="+", choices=tuple(common.DTYPES), default=None,
+                   help="dtypes (default: float32, and bfloat16 where the hardware supports it)")
+    p.add_argument("--seq-lens", type=int, nargs="+", default=None,
+                   help=f"the T sweep, each dividing --tokens (default {full.seq_lens}, --quick {quick.seq_lens})")
+    p.add_argument("--tokens", type=int, default=None,
+                   help=f"B·T, fixed across the sweep (default {full.tokens}, --quick {quick.tokens})")
+    p.add_argument("--n-embd", type=int, default=None, help=f"width C (default {full.n_embd}, --quick {quick.n_embd})")
+    p.add_argument("--n-head", type=int, default=None,
+                   help=f"heads H, head dim C / H (default {full.n_head}, --quick {quick.n_head})")
+    p.add_argument("--impls", nargs="+", choices=attention.IMPLS, default=None,
+                   help="implementations to run (default: all)")
+    p.add_argument("--max-mem-gib", type=float, default=None,
+                   help="skip configurations estimated to need more (default: 90%% of free accelerator memory, "
+                        "50%% of available RAM)")
+    p.add_argument("--max-call-s", type=float, default=None,
+                   help=f"skip an implementation once its predicted time per call exceeds this "
+                        f"(default {full.max_call_s:g}, --quick {quick.max_call_s:g})")
+    p.add_argument("--no-memory", action="store_true", help="do not measure peak memory")
+
+
+def _decode_flags(p: argparse.ArgumentParser) -> None:
+    full, quick = decode.FULL, decode.QUICK
+    p.add_argument("--new-tokens", type=int, default=None,
+                   help=f"tokens to generate after each prompt (default {full.new_tokens}, --quick {quick.new_tokens})")
+    p.add_argument("--prompts", type=int, nargs="+", default=None,
+                   help=f"prompt lengths (default {full.prompts}, --quick {quick.prompts})")
+
+
+def _train_flags(p: argparse.ArgumentParser) -> None:
+    full, quick = train.FULL, train.QUICK
+    p.add_argument("--batch-size", type=int, default=None,
+                   help=f"rows per training step (default {full.batch_size}, --quick {quick.batch_size})")
+    p.add_argument("--seq-len", type=int, default=None,
+                   help=f"tokens per row (default {full.seq_len}, --quick {quick.seq_len})")
+
+
+def _triton_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--budget-s", type=float, default=None,
+                   help="start no new benchmark after this many seconds (default 480)")
+    p.add_argument("--dtypes", nargs="+", choices=("bf16", "fp16", "fp32"), default=None,
+                   help="benchmark dtypes (default bf16 fp16)")
+
+
+SUITE_FLAGS = {"attention": _attention_flags, "decode": _decode_flags, "train": _train_flags,
+               "triton": _triton_flags}

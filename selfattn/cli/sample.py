@@ -1,0 +1,57 @@
+"""Generate text from a trained model, streamed to the terminal as it is produced.
+
+``--ckpt`` takes a run folder of ``selfattn train`` (its newest checkpoint), one checkpoint
+file (``ckpt-*.safetensors``, or a ``torch.save`` state dict ``.pt`` beside the run's
+``config.json``), or a local GPT-2 folder written by ``transformers``' ``save_pretrained``
+(see :mod:`selfattn.loading`). Nothing is downloaded.
+
+Tokens are turned into bytes one at a time and decoded incrementally, so a character whose
+UTF-8 bytes span several tokens is printed whole once its last byte arrives. Past the
+model's ``block_size`` the context slides: it is cut to its last half and read again.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from selfattn import _validate
+from selfattn.loading import load
+from selfattn.sampling import stream, text_pieces
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--ckpt", required=True, metavar="PATH", default=argparse.SUPPRESS,
+                   help="run folder, checkpoint file, or local GPT-2 folder saved by transformers")
+    p.add_argument("--prompt", default="", metavar="TEXT",
+                   help="text to continue; empty: start from a newline (GPT-2: from <|endoftext|>)")
+    p.add_argument("--max-new-tokens", type=int, default=300, metavar="N", help="tokens to generate")
+    p.add_argument("--temperature", type=float, default=0.8, metavar="T", help="0 = greedy; higher = more random")
+    p.add_argument("--top-k", type=int, default=None, metavar="K", help="sample among the k most likely tokens only")
+    p.add_argument("--top-p", type=float, default=None, metavar="P",
+                   help="nucleus: sample among the fewest tokens holding this probability")
+    p.add_argument("--seed", type=int, default=None, metavar="S", help="seed of the sampler: same seed, same text")
+    p.add_argument("--device", default="auto", help="'auto' (the accelerator if any, else CPU) or a torch device")
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.max_new_tokens < 0:
+        raise ValueError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
+    device = _validate.device(args.device)
+    loaded = load(args.ckpt)
+    model = loaded.model.to(device).eval().decode_layout()  # inference only: the order batch-1 decoding reads fastest
+    ids = loaded.tokenizer.encode(args.prompt) if args.prompt else [loaded.start_token]
+    generator = torch.Generator(device)
+    if args.seed is None:
+        generator.seed()
+    else:
+        generator.manual_seed(args.seed)
+    sys.stdout.write(args.prompt)
+    tokens = stream(model, ids, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                    top_p=args.top_p, generator=generator)
+    for piece in text_pieces(loaded.tokenizer, tokens):
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    return 0

@@ -1,0 +1,91 @@
+"""Train a GPT on text (the built-in corpus or --data); torchrun for DDP/FSDP2; --resume.
+
+``selfattn train --preset tiny --out runs/tiny`` trains on the built-in corpus (Python's own
+documentation) and writes the run folder described in :mod:`selfattn.training.loop`. Every
+field of ``GPTConfig`` and ``TrainConfig`` is a flag; ``--preset`` and ``--config FILE.json``
+set other defaults. Under ``torchrun`` only rank 0 prints.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from selfattn.cli import flags
+from selfattn.model import GPTConfig
+from selfattn.training import parallel
+from selfattn.training.loop import PRESETS, Diverged, TrainConfig, TrainResult, resolve_configs, train
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", default=argparse.SUPPRESS, help="run folder [runs/<preset>, or runs/default]")
+    p.add_argument("--preset", choices=sorted(PRESETS), default=None, help="model and training sizes to start from")
+    p.add_argument("--config", default=None, metavar="FILE.json",
+                   help='JSON {"model": {GPTConfig fields}, "train": {TrainConfig fields}} over the preset')
+    p.add_argument("--resume", action="store_true",
+                   help="continue the run in --out from its newest checkpoint, with its configs; "
+                        "flags given here change training fields")
+    flags.add_flags(p, GPTConfig, skip=("vocab_size",), title="GPTConfig (presets and --config set other defaults)")
+    flags.add_flags(p, TrainConfig, title="TrainConfig (presets and --config set other defaults)")
+
+
+def main(args: argparse.Namespace) -> int:
+    out = Path(getattr(args, "out", None) or f"runs/{args.preset or 'default'}")
+    model_cfg, train_cfg, resume_from = resolve_configs(
+        out, preset=args.preset, config=args.config, resume=args.resume,
+        model_flags=flags.given(args, GPTConfig), train_flags=flags.given(args, TrainConfig))
+    try:
+        with _Progress() as progress:  # the bar is closed before anything else is printed
+            result = train(model_cfg, train_cfg, out, resume_from=resume_from, on_event=progress)
+        if parallel.rank() == 0:
+            print(_summary(result, train_cfg))
+        return 0
+    except Diverged as e:
+        if parallel.rank() == 0:
+            print(f"selfattn train: error: {e}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        parallel.shutdown()
+
+
+class _Progress:
+    """The terminal view of a run (rank 0 only gets events): a header, a tqdm bar, eval lines."""
+
+    def __enter__(self) -> _Progress:
+        self.bar = None
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+    def __call__(self, kind: str, r: dict) -> None:
+        if kind == "start":
+            print(f"selfattn train: {r['params'] / 1e6:.2f}M parameters, {r['data']}, {r['train_tokens']:,} train / "
+                  f"{r['val_tokens']:,} val tokens, {r['world']} rank(s) on {r['device']}, run folder {r['out']}"
+                  + (f", resuming at step {r['start']}" if r["start"] else ""), flush=True)
+            if r["start"] < r["max_steps"]:
+                self.bar = _tqdm()(total=r["max_steps"], initial=r["start"], unit="step", dynamic_ncols=True,
+                                   mininterval=0.5)
+        elif kind == "step":
+            self.bar.set_postfix_str(f"loss {r['loss']:.3f}, {r['tokens_per_s']:,.0f} tok/s", refresh=False)
+            self.bar.update(1)
+        elif kind == "eval":
+            self.bar.write(f"step {r['step']}: train loss {r['loss']:.4f}, val loss {r['val_loss']:.4f}")
+
+
+def _summary(result: TrainResult, cfg: TrainConfig) -> str:
+    if result.trained == 0:
+        return (f"selfattn train: nothing to do, {result.out} already reached max_steps={cfg.max_steps}; "
+                f"pass --max-steps N to train further")
+    return (f"selfattn train: done, step {result.step}, val loss {result.val_loss:.4f}, "
+            f"{result.tokens_per_s:,.0f} tokens/s; checkpoint {result.checkpoint}, loss curve "
+            f"{result.out / 'loss.png'}\nsample from it: selfattn sample --ckpt {result.out}")
+
+
+def _tqdm():
+    try:
+        from tqdm import tqdm
+    except ImportError as e:
+        raise ImportError("the progress bar needs 'tqdm': pip install 'selfattn[train]'") from e
+    return tqdm

@@ -1,0 +1,148 @@
+"""Corpora: text in, memory-mapped token ids out (tokenizers: :mod:`selfattn.training.tokenizers`).
+
+- ``read_corpus(path)``: a text file, a folder of text files, or (``None``) the built-in
+  corpus, the documentation that ships inside Python's standard library
+  (``pydoc_data.topics``, ~465 KB of English).
+- ``prepare(...)``: tokenizes a corpus once, splits train/val and caches both as flat files
+  in the run folder, opened memory-mapped; later calls reuse the cache.
+- ``batch(...)``: the rows of one training step, a pure function of (seed, step), so a
+  resumed run and every rank of a distributed one read exactly the rows they should.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from selfattn import _files
+from selfattn.training.tokenizers import BPETokenizer, ByteTokenizer, from_spec
+
+
+def read_corpus(path: str | os.PathLike | None) -> tuple[str, str]:
+    """(text, description). ``None`` = the built-in corpus; a folder = every non-hidden file
+    under it, sorted, joined by blank lines. Raises ``ValueError`` naming the offending file
+    for a missing path, an empty corpus or a file that is not UTF-8 text."""
+    if path is None:
+        try:
+            topics = importlib.import_module("pydoc_data.topics").topics
+        except ImportError as e:
+            raise ValueError("the built-in corpus needs the standard library's pydoc_data, which this "
+                             "Python lacks; pass --data PATH") from e
+        text = "\n\n".join(topics[key] for key in sorted(topics))
+        return text, f"built-in corpus: Python's pydoc_data.topics ({len(topics)} documents)"
+    root = Path(path)
+    if not root.exists():
+        raise ValueError(f"data path {str(root)!r} does not exist")
+    if root.is_dir():
+        files = sorted(p for p in root.rglob("*") if p.is_file()
+                       and not any(part.startswith(".") for part in p.relative_to(root).parts))
+        if not files:
+            raise ValueError(f"data folder {str(root)!r} has no files")
+    else:
+        files = [root]
+    text = "\n\n".join(_read_text(f) for f in files)
+    if not text.strip():
+        raise ValueError(f"data path {str(root)!r} holds no text (empty)")
+    return text, f"{root} ({len(files)} file{'s' * (len(files) != 1)})"
+
+
+@dataclass
+class Corpus:
+    """Train and val token ids (memory-mapped 1-D integer tensors) and their tokenizer."""
+    train: Tensor
+    val: Tensor
+    tokenizer: ByteTokenizer | BPETokenizer
+    description: str  # where the text came from, for people
+    fingerprint: str  # SHA-256 of the text: a resumed run checks it still trains on the same corpus
+
+
+def prepare(cache_dir: str | os.PathLike, *, data: str | None, tokenizer: str, bpe_vocab: int,
+            val_fraction: float, block_size: int) -> Corpus:
+    """Tokenize the corpus into ``cache_dir`` (once: a cache whose recipe and corpus fingerprint
+    match is reused) and open both splits memory-mapped. Val is the last ``val_fraction`` of the
+    tokens. Raises ``ValueError`` when either split is shorter than one block plus one token."""
+    if tokenizer not in ("byte", "bpe"):
+        raise ValueError(f"tokenizer must be 'byte' or 'bpe', got {tokenizer!r}")
+    if not 0.0 < val_fraction < 1.0:
+        raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction!r}")
+    text, description = read_corpus(data)
+    cache = Path(cache_dir)
+    recipe = {"fingerprint": hashlib.sha256(text.encode("utf-8")).hexdigest(), "tokenizer": tokenizer,
+              "bpe_vocab": bpe_vocab if tokenizer == "bpe" else None, "val_fraction": val_fraction}
+    meta_path = cache / "meta.json"
+    meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
+    if meta.get("recipe") != recipe:
+        meta = _write_cache(cache, text, recipe)
+    for name in ("train", "val"):
+        if meta[f"n_{name}"] < block_size + 1:
+            raise ValueError(f"corpus too short: {meta['n_train'] + meta['n_val']} tokens split into "
+                             f"{meta['n_train']} train / {meta['n_val']} val, but one block of the {name} "
+                             f"split needs block_size + 1 = {block_size + 1}; use more text or a smaller "
+                             f"--block-size")
+    tok = from_spec(meta["tokenizer_spec"])
+    dtype = getattr(torch, meta["dtype"])
+    splits = {name: torch.from_file(str(cache / f"{name}.bin"), shared=False, size=meta[f"n_{name}"], dtype=dtype)
+              for name in ("train", "val")}
+    return Corpus(splits["train"], splits["val"], tok, description, recipe["fingerprint"])
+
+
+def batch(split: Tensor, *, seed: int, step: int, batch_size: int, block_size: int, part: int = 0,
+          parts: int = 1, tag: str = "train") -> tuple[Tensor, Tensor]:
+    """Part ``part`` of ``parts`` equal slices of one batch of ``batch_size`` random windows of
+    ``split``: inputs and next-token targets, both ``(batch_size // parts, block_size)`` int64.
+
+    The windows depend only on (seed, tag, step): a resumed run reads the rows it would have
+    read, and the ranks (and micro-steps) of a distributed run read disjoint slices of the very
+    batch a single process would, each touching only its own rows of the memory map.
+    """
+    if batch_size % parts or not 0 <= part < parts:
+        raise ValueError(f"cannot take part {part} of {parts} equal parts of a batch of {batch_size}")
+    rows = batch_size // parts
+    g = torch.Generator().manual_seed(stream_seed(seed, tag, step))
+    starts = torch.randint(0, len(split) - block_size, (batch_size,), generator=g)[part * rows:(part + 1) * rows]
+    chunk = torch.stack([split[s:s + block_size + 1] for s in starts.tolist()]).long()  # (rows, block_size + 1)
+    return chunk[:, :-1], chunk[:, 1:]
+
+
+def stream_seed(*parts) -> int:
+    """A 63-bit seed derived from any tuple of ints and strings (independent streams per tuple)."""
+    digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+def _read_text(path: Path) -> str:
+    raw = path.read_bytes()
+    if b"\x00" in raw:
+        raise ValueError(f"data file {str(path)!r} looks binary (it contains NUL bytes); give a text file")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        bad = raw[e.start:e.start + 1]
+        raise ValueError(f"data file {str(path)!r} is not UTF-8 text (byte {e.start} is {bad!r})") from None
+
+
+def _write_cache(cache: Path, text: str, recipe: dict) -> dict:
+    cache.mkdir(parents=True, exist_ok=True)
+    tok = ByteTokenizer() if recipe["tokenizer"] == "byte" else BPETokenizer.train(text, recipe["bpe_vocab"])
+    dtype = torch.uint8 if tok.vocab_size <= 256 else torch.uint16 if tok.vocab_size <= 65536 else torch.int32
+    if recipe["tokenizer"] == "byte":
+        ids = torch.frombuffer(bytearray(text.encode("utf-8")), dtype=torch.uint8)
+    else:
+        ids = torch.tensor(tok.encode(text), dtype=torch.int32).to(dtype)
+    n_val = int(len(ids) * recipe["val_fraction"])
+    meta = {"recipe": recipe, "tokenizer_spec": tok.spec(), "dtype": str(dtype).removeprefix("torch."),
+            "n_train": len(ids) - n_val, "n_val": n_val}
+    for name, part in (("train", ids[:len(ids) - n_val]), ("val", ids[len(ids) - n_val:])):
+        with _files.atomic_path(cache / f"{name}.bin") as tmp:
+            tmp.write_bytes(b"")  # from_file maps (and grows) an existing file; an empty split stays empty
+            torch.from_file(str(tmp), shared=True, size=len(part), dtype=dtype).copy_(part)
+    _files.write_text(cache / "meta.json", json.dumps(meta))  # written last: a cache without meta.json is rebuilt
+    return meta
+
+

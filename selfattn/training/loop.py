@@ -1,0 +1,353 @@
+"""Train a GPT on a text corpus; one process, or many under ``torchrun`` (DDP or FSDP2).
+
+:func:`train` runs the loop over a run folder: checkpoints (``ckpt-*.safetensors``),
+``config.json`` (and ``tokenizer.json`` for BPE), ``log.jsonl`` (one record per step and per
+evaluation), ``loss.png`` and the token cache ``tokens/``. Resuming continues from the newest
+checkpoint exactly: on CPU in float32 the losses equal, step for step, those of a run that
+never stopped. :func:`resolve_configs` layers the configs a run starts from.
+
+Determinism by construction: the rows of step s and its dropout masks come from seeds derived
+from (seed, step, rank), never from a stream consumed by earlier steps, so a checkpoint needs
+no RNG state beyond the integers (seed, step), and any world size reads the same global batch.
+
+Distributed (:mod:`selfattn.training.parallel`): the same call under ``torchrun
+--nproc_per_node=N`` (multi-node through torchrun's own rendezvous flags) runs DDP over gloo on
+CPU or NCCL on GPUs; ``fsdp=True`` shards parameters, gradients and optimizer state with FSDP2
+``fully_shard`` instead. Each rank reads its own slice of every batch; rank 0 alone reports and
+writes. Across machines the run folder must be on a disk every rank sees (checkpoints are
+written by rank 0 and read by all).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from selfattn import _files, _plot, _validate
+from selfattn.model import GPT, GPTConfig
+from selfattn.training import checkpoint, data, parallel
+
+
+@dataclass
+class TrainConfig:
+    data: str | None = None  # text file or folder of text files; none = the built-in corpus (Python's docs)
+    tokenizer: str = "byte"  # "byte" (vocabulary 256, any text) or "bpe" (trained locally on the corpus)
+    bpe_vocab: int = 2048  # BPE vocabulary size (256 bytes + merges), with tokenizer "bpe"
+    val_fraction: float = 0.1  # the last fraction of the tokens, held out for evaluation
+    batch_size: int = 32  # sequences per optimizer step, over all ranks and micro-steps together
+    grad_accum: int = 1  # micro-steps per optimizer step: each runs batch_size / (ranks * grad_accum) rows
+    max_steps: int = 2000  # optimizer steps; the cosine decay ends here
+    lr: float = 1e-3  # peak learning rate, reached after the warmup
+    min_lr: float = 1e-4  # learning rate at the end of the cosine decay
+    warmup_steps: int = 100  # linear warmup from 0 to lr over these steps
+    weight_decay: float = 0.1  # AdamW weight decay, on matrices only (not on biases and LayerNorm gains)
+    beta1: float = 0.9  # AdamW beta1
+    beta2: float = 0.99  # AdamW beta2
+    grad_clip: float = 1.0  # clip the global gradient norm to this; 0 = no clipping
+    eval_every: int = 200  # steps between evaluations on the val split (also redraws loss.png)
+    eval_batches: int = 20  # batches per evaluation, the same batches every time
+    save_every: int = 500  # steps between checkpoints; the last step is always saved
+    keep: int = 2  # checkpoints kept in the run folder, the newest ones
+    seed: int = 0  # seeds the initial weights, the batches and the dropout masks
+    device: str = "auto"  # "auto" (CUDA if available, else CPU) or a torch device: "cpu", "cuda", "mps"
+    bf16: bool = False  # bfloat16 autocast for forward and backward; weights and AdamW state stay float32
+    compile: bool = False  # torch.compile the model
+    fsdp: bool = False  # under torchrun: shard the model with FSDP2 instead of replicating it with DDP
+
+    def __post_init__(self):
+        _validate.positive_ints(**{name: getattr(self, name) for name in (
+            "batch_size", "grad_accum", "max_steps", "eval_every", "eval_batches", "save_every", "keep", "bpe_vocab")})
+        _validate.count("warmup_steps", self.warmup_steps)
+        if self.tokenizer not in ("byte", "bpe"):
+            raise ValueError(f"tokenizer must be 'byte' or 'bpe', got {self.tokenizer!r}")
+        for name in ("lr", "min_lr", "weight_decay", "grad_clip"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
+        if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
+            raise ValueError(f"beta1 and beta2 must be in [0, 1), got {self.beta1!r}, {self.beta2!r}")
+
+
+
+# name -> (GPTConfig fields, TrainConfig fields); flags and --config override them.
+PRESETS = {
+    # 0.64M parameters: writes English-looking words in ~70 s on a 2-core CPU (val loss ~1.55)
+    "tiny": (dict(block_size=128, n_layer=3, n_head=4, n_embd=128),
+             dict(batch_size=16, max_steps=700, lr=3e-3, min_lr=3e-4, warmup_steps=50, eval_every=100,
+                  eval_batches=8, save_every=350)),
+    # nanoGPT's character-level Shakespeare size (~10.7M): minutes on one GPU
+    "small": (dict(block_size=256, n_layer=6, n_head=6, n_embd=384, dropout=0.2),
+              dict(batch_size=64, max_steps=5000, lr=1e-3, min_lr=1e-4, warmup_steps=100, eval_every=250,
+                   save_every=1000, bf16=True)),
+    # GPT-2 small's shape (124M) with a locally trained BPE: a large --data corpus, 8 GPUs under torchrun
+    "gpt2": (dict(block_size=1024, n_layer=12, n_head=12, n_embd=768),
+             dict(tokenizer="bpe", bpe_vocab=16384, batch_size=512, grad_accum=4, max_steps=5000, lr=6e-4,
+                  min_lr=6e-5, warmup_steps=700, beta2=0.95, eval_every=250, save_every=1000, bf16=True)),
+}
+_MODEL_FIELDS_CHANGEABLE_ON_RESUME = ("backend", "dropout")  # they change no parameter shape
+
+
+class Diverged(RuntimeError):
+    """The loss or the gradient norm became NaN or infinite; nothing was saved for that step."""
+
+
+@dataclass
+class TrainResult:
+    """What a call of :func:`train` did."""
+    out: Path  # the run folder
+    step: int  # the run's last step
+    trained: int  # steps this call ran (0: the run had already reached max_steps)
+    val_loss: float  # the last validation loss
+    tokens_per_s: float | None  # mean training rate of this call (the first step, warm-up, left out)
+    checkpoint: Path | None  # the newest checkpoint
+
+
+# on_event(kind, record), on rank 0 only: kind "start" (the run described), "step" (a log.jsonl
+# record of one optimizer step) or "eval" (a validation record, with the last train loss).
+OnEvent = Callable[[str, dict], None]
+
+
+def resolve_configs(out: str | os.PathLike, *, preset: str | None = None, config: str | None = None,
+                    resume: bool = False, model_flags: dict | None = None,
+                    train_flags: dict | None = None) -> tuple[GPTConfig, TrainConfig, Path | None]:
+    """(model config, train config, checkpoint to resume from or None), layered: dataclass
+    defaults < ``preset`` < the JSON file ``config`` < the flags; on ``resume``: the newest
+    checkpoint's configs < the flags (training fields, and model fields that change no shape)."""
+    out, model_flags, train_flags = Path(out), model_flags or {}, train_flags or {}
+    if resume:
+        if preset or config:
+            raise ValueError("--resume keeps the run's configs; drop --preset/--config and pass single flags")
+        ckpt = checkpoint.latest(out)
+        if ckpt is None:
+            raise ValueError(f"--resume: no checkpoint (ckpt-*.safetensors) in {str(out)!r}")
+        meta = checkpoint.load(ckpt)
+        for key, value in model_flags.items():
+            if key not in _MODEL_FIELDS_CHANGEABLE_ON_RESUME and value != meta["model"][key]:
+                raise ValueError(f"--resume: --{key.replace('_', '-')} {value!r} differs from the checkpoint's "
+                                 f"{key}={meta['model'][key]!r}; a resumed run keeps its model shape")
+        return (GPTConfig(**{**meta["model"], **model_flags}), TrainConfig(**{**meta["train"], **train_flags}), ckpt)
+    if checkpoint.latest(out) is not None:
+        raise ValueError(f"{str(out)!r} already holds checkpoints; pass --resume to continue it, or another --out")
+    if preset is not None and preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
+    model_vals, train_vals = PRESETS[preset] if preset else ({}, {})
+    if config:
+        model_vals, train_vals = _read_config_file(config, model_vals, train_vals)
+    return (GPTConfig(**{**model_vals, **model_flags}), TrainConfig(**{**train_vals, **train_flags}), None)
+
+
+def _read_config_file(path: str, model_vals: dict, train_vals: dict) -> tuple[dict, dict]:
+    try:
+        content = json.loads(Path(path).read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--config {path}: invalid JSON at line {e.lineno} column {e.colno}: {e.msg}") from None
+    if not isinstance(content, dict) or set(content) - {"model", "train"}:
+        extra = sorted(set(content) - {"model", "train"}) if isinstance(content, dict) else type(content).__name__
+        raise ValueError(f"--config {path}: expected an object with keys 'model' and/or 'train', got {extra}")
+    model = _validate.config_fields(GPTConfig, content.get("model", {}), f"--config {path}")
+    if "vocab_size" in model:
+        raise ValueError(f"--config {path}: model key 'vocab_size' is set by the tokenizer, leave it out")
+    train = _validate.config_fields(TrainConfig, content.get("train", {}), f"--config {path}")
+    return {**model_vals, **model}, {**train_vals, **train}
+
+
+def train(model_cfg: GPTConfig, cfg: TrainConfig, out: str | os.PathLike, *, resume_from: Path | None = None,
+          on_event: OnEvent | None = None) -> TrainResult:
+    """Run the training loop in the run folder ``out``. Raises :class:`Diverged` on a NaN/inf loss."""
+    out = Path(out)
+    rank, world, device = parallel.setup(_validate.device(cfg.device), cfg.fsdp)
+    if cfg.batch_size % (world * cfg.grad_accum):
+        raise ValueError(f"batch_size={cfg.batch_size} must be a multiple of ranks * grad_accum = "
+                         f"{world} * {cfg.grad_accum}")
+    report = on_event if on_event is not None and rank == 0 else lambda kind, record: None
+    corpus = _prepare_data(out, cfg, model_cfg.block_size, rank)
+    model_cfg = dataclasses.replace(model_cfg, vocab_size=corpus.tokenizer.vocab_size)
+    torch.manual_seed(cfg.seed)  # the same initial weights on every rank
+    raw = GPT(model_cfg).to(device)
+    run = _Run(parallel.wrap(raw, compile=cfg.compile, fsdp=cfg.fsdp, world=world, device=device),
+               corpus, cfg, model_cfg, rank, world, device)
+    start, records = 0, []
+    if resume_from is not None:
+        meta = checkpoint.load(resume_from, run.model, run.optimizer)
+        if meta["data"]["fingerprint"] != corpus.fingerprint:
+            raise ValueError(f"--resume: the corpus ({corpus.description}) differs from the one {resume_from} "
+                             f"was trained on")
+        start = meta["step"]
+        records = [r for r in _read_log(out) if r["step"] <= start]  # drop steps the checkpoint never saw
+    log = _Log(out, records, rank)
+    if rank == 0:
+        log.write_config(model_cfg, cfg, corpus.tokenizer)
+    report("start", {"params": raw.num_params(), "data": corpus.description, "train_tokens": len(corpus.train),
+                     "val_tokens": len(corpus.val), "world": world, "device": str(device), "out": str(out),
+                     "start": start, "max_steps": cfg.max_steps})
+    meta = {"model": dataclasses.asdict(model_cfg), "train": dataclasses.asdict(cfg),
+            "tokenizer": corpus.tokenizer.spec(),
+            "data": {"fingerprint": corpus.fingerprint, "description": corpus.description}}
+    if start >= cfg.max_steps:
+        return TrainResult(out, start, 0, log.last("val_loss"), None, checkpoint.latest(out))
+    if start == 0:
+        log.add({"step": 0, "val_loss": run.evaluate()})
+    tokens_per_step = cfg.batch_size * model_cfg.block_size
+    seconds = []  # per step, for the mean rate
+    for step in range(start + 1, cfg.max_steps + 1):
+        t0 = time.perf_counter()
+        loss, norm = run.step(step)
+        if not (math.isfinite(loss) and math.isfinite(norm)):
+            last = checkpoint.latest(out)
+            what = f"loss is {loss}" if not math.isfinite(loss) else f"gradient norm is {norm}"
+            raise Diverged(f"{what} at step {step}; stopped without saving, the last good checkpoint is "
+                           f"{last if last else 'none (no checkpoint was written yet)'}")
+        seconds.append(time.perf_counter() - t0)
+        record = {"step": step, "loss": loss, "lr": lr_at(step, cfg), "grad_norm": norm,
+                  "tokens_per_s": tokens_per_step / seconds[-1]}
+        log.add(record)
+        report("step", record)
+        if step % cfg.eval_every == 0 or step == cfg.max_steps:
+            log.add({"step": step, "val_loss": run.evaluate()})
+            log.plot()
+            report("eval", {"step": step, "loss": loss, "val_loss": log.last("val_loss")})
+        if step % cfg.save_every == 0 or step == cfg.max_steps:
+            checkpoint.save(out, step, run.model, run.optimizer, meta={**meta, "step": step}, keep=cfg.keep)
+    log.plot()
+    timed = seconds[1:] or seconds  # the first step pays for warm-up (and compilation)
+    rate = tokens_per_step * len(timed) / sum(timed)
+    return TrainResult(out, cfg.max_steps, cfg.max_steps - start, log.last("val_loss"), rate, checkpoint.latest(out))
+
+
+class _Run:
+    """The model (wrapped), its optimizer and data, as one rank sees them: one step, one evaluation."""
+
+    def __init__(self, model: nn.Module, corpus: data.Corpus, cfg: TrainConfig, model_cfg: GPTConfig,
+                 rank: int, world: int, device: torch.device):
+        self.model, self.corpus, self.cfg, self.block = model, corpus, cfg, model_cfg.block_size
+        self.rank, self.world, self.device = rank, world, device
+        self.optimizer = _optimizer(model, cfg)
+        self.autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.bf16)
+
+    def step(self, step: int) -> tuple[float, float]:
+        """Optimizer step ``step`` (1-based); (mean loss over all ranks, gradient norm before clipping).
+        On a non-finite loss or norm the weights are left untouched."""
+        cfg, world = self.cfg, self.world
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr_at(step, cfg)
+        torch.manual_seed(data.stream_seed(cfg.seed, "dropout", self.rank, step))
+        loss_sum = torch.zeros((), device=self.device)
+        for micro in range(cfg.grad_accum):
+            x, y = data.batch(self.corpus.train, seed=cfg.seed, step=step, batch_size=cfg.batch_size,
+                              block_size=self.block, part=micro * world + self.rank, parts=world * cfg.grad_accum)
+            with parallel.grad_sync(self.model, micro == cfg.grad_accum - 1), self.autocast:
+                _, loss = self.model(x.to(self.device), y.to(self.device))
+            (loss / cfg.grad_accum).backward()
+            loss_sum += loss.detach()
+        loss = parallel.mean_over_ranks(loss_sum / cfg.grad_accum, world).item()
+        norm = parallel.clip_grad_norm(self.model, cfg.grad_clip)
+        if math.isfinite(loss) and math.isfinite(norm):
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss, norm
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean loss over ``eval_batches`` fixed batches of the val split, rows shared among ranks."""
+        self.model.eval()
+        rows = self.cfg.batch_size // self.cfg.grad_accum
+        total = torch.zeros((), device=self.device)
+        for i in range(self.cfg.eval_batches):
+            x, y = data.batch(self.corpus.val, seed=self.cfg.seed, step=i, batch_size=rows, block_size=self.block,
+                              part=self.rank, parts=self.world, tag="val")
+            with self.autocast:
+                total += self.model(x.to(self.device), y.to(self.device))[1].float()
+        self.model.train()
+        return parallel.mean_over_ranks(total / self.cfg.eval_batches, self.world).item()
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """The learning rate of step ``step`` (1-based): linear warmup to ``lr``, then cosine to ``min_lr``."""
+    if step <= cfg.warmup_steps:
+        return cfg.lr * step / cfg.warmup_steps
+    progress = min((step - cfg.warmup_steps) / max(cfg.max_steps - cfg.warmup_steps, 1), 1.0)
+    return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1.0 + math.cos(math.pi * progress))
+
+
+def _prepare_data(out: Path, cfg: TrainConfig, block_size: int, rank: int) -> data.Corpus:
+    """Rank 0 tokenizes (or finds the cache) first; then the first rank of every other machine
+    (a cache hit on a shared disk, else built on its own); then everyone opens the cache."""
+    kwargs = dict(data=cfg.data, tokenizer=cfg.tokenizer, bpe_vocab=cfg.bpe_vocab,
+                  val_fraction=cfg.val_fraction, block_size=block_size)
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    corpus = None
+    for turn in (rank == 0, rank != 0 and local_rank == 0):
+        if turn:
+            corpus = data.prepare(out / "tokens", **kwargs)
+        parallel.barrier()
+    return corpus or data.prepare(out / "tokens", **kwargs)
+
+
+def _optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
+    """AdamW, decaying matrices (weights, embeddings) but not vectors (biases, LayerNorm gains)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2))
+
+
+class _Log:
+    """``log.jsonl`` and ``loss.png`` in the run folder; rank 0 writes, the others keep nothing."""
+
+    def __init__(self, out: Path, records: list[dict], rank: int):
+        self.out, self.records, self.active = out, records, rank == 0
+        if self.active:  # rewrite: a resumed run forgets the steps after its checkpoint
+            _files.write_text(out / "log.jsonl", "".join(json.dumps(r) + "\n" for r in records))
+
+    def write_config(self, model_cfg: GPTConfig, cfg: TrainConfig, tokenizer) -> None:
+        """``config.json`` (both configs) and, for BPE, ``tokenizer.json``: the run described
+        for people and for tools that read weights without our checkpoint header."""
+        text = json.dumps({"model": dataclasses.asdict(model_cfg), "train": dataclasses.asdict(cfg)}, indent=2)
+        _files.write_text(self.out / "config.json", text + "\n")
+        if tokenizer.spec()["kind"] == "bpe":
+            _files.write_text(self.out / "tokenizer.json", tokenizer.spec()["json"])
+
+    def add(self, record: dict) -> None:
+        if self.active:
+            self.records.append(record)
+            with open(self.out / "log.jsonl", "a") as f:
+                f.write(json.dumps(record) + "\n")
+
+    def last(self, key: str) -> float:
+        return next((r[key] for r in reversed(self.records) if key in r), float("nan"))
+
+    def plot(self) -> None:
+        if not self.active:
+            return
+        train = [(r["step"], r["loss"]) for r in self.records if "loss" in r]
+        val = [(r["step"], r["val_loss"]) for r in self.records if "val_loss" in r]
+        fig = _plot.figure(figsize=(7, 4))
+        ax = fig.add_subplot()
+        if train:
+            ax.plot(*zip(*train), lw=0.8, alpha=0.6, label="train loss (per step)")
+        if val:
+            ax.plot(*zip(*val), "o-", label="val loss")
+        ax.set(xlabel="step", ylabel="cross-entropy (nats/token)", title=f"{self.out.name}: loss")
+        ax.grid(alpha=0.3)
+        ax.legend()
+        _plot.save(fig, self.out / "loss.png", dpi=110, bbox_inches="tight")
+
+
+def _read_log(out: Path) -> list[dict]:
+    path = out / "log.jsonl"
+    if not path.exists():
+        return []
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            break  # a line cut short by a kill: it and anything after it are not trusted
+    return records

@@ -1,0 +1,198 @@
+"""The tiled backend's own machinery: tiny tiles, the custom backward, tile skipping, dropout, memory."""
+import itertools
+import pathlib
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from selfattn import Mask, attention
+from selfattn.backends import math, tiled
+from selfattn.backends._common import repeat_kv
+
+from helpers.parity import F64, HEADS, MASK_KINDS, assert_close_all, make_case
+
+
+def _mask(kwargs: dict) -> Mask:
+    """The Mask that ``attention(**kwargs)`` builds."""
+    return Mask(causal=kwargs.get("causal", True), window=kwargs.get("window"),
+                key_padding_mask=kwargs.get("key_padding_mask"), doc_ids=kwargs.get("doc_ids"))
+
+
+def _tiled_grads(q, k, v, grad, mask, **blocks):
+    out = tiled.run(q, k, v, mask, scale=q.shape[-1] ** -0.5, **blocks)
+    return (out.detach(), *torch.autograd.grad(out, (q, k, v), grad))
+
+
+BLOCKS = [(4, 4), (5, 7), (16, 8), (8, 32), (128, 128)]  # square, ragged, tall, wide, one tile
+
+
+@pytest.mark.parametrize("block_q,block_k", BLOCKS)
+@pytest.mark.parametrize("mask_kind", MASK_KINDS)
+@pytest.mark.parametrize("heads", HEADS)
+@pytest.mark.parametrize("T,S", [(37, 37), (23, 50)])
+def test_custom_backward_matches_math_float64(T, S, heads, mask_kind, block_q, block_k):
+    (q, k, v, grad), kwargs = make_case(*HEADS[heads], T, S, 8, mask_kind)
+    want = math.run(q, k, v, _mask(kwargs), scale=8 ** -0.5)
+    want = (want.detach(), *torch.autograd.grad(want, (q, k, v), grad))
+    assert_close_all(_tiled_grads(q, k, v, grad, _mask(kwargs), block_q=block_q, block_k=block_k), want, **F64)
+
+
+@pytest.mark.parametrize("kwargs", [
+    {},
+    {"window": 3},
+    {"causal": False, "doc_ids": torch.tensor([[0, 0, 0, 1, 1, 1, 1, 2, 2]])},
+    {"window": 4, "key_padding_mask": torch.tensor([[False, False, False, False, True, True, False, True, True]])},
+])
+def test_gradcheck_small_blocks(kwargs):
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 2, 6, 4, generator=g, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(1, 1, 9, 4, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    mask = _mask(kwargs)
+    fn = lambda q, k, v: tiled.run(q, k, v, mask, scale=0.5, block_q=2, block_k=4)  # 3 x 3 tiles, keys 4, 4, 1
+    assert torch.autograd.gradcheck(fn, (q, k, v))
+
+
+def test_backward_is_once_differentiable():
+    q = torch.randn(1, 1, 4, 2, dtype=torch.float64, requires_grad=True)
+    out = tiled.run(q, q, q, Mask(), scale=1.0)
+    w = torch.randn(out.shape, dtype=torch.float64, requires_grad=True)
+    (dq,) = torch.autograd.grad(out, q, w, create_graph=True)  # a double-backward path through the kernel
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        dq.sum().backward()
+
+
+def _brute_force_tiles(mask, T, S, block_q, block_k):
+    """Every tile with at least one visible pair; masked when it also has a hidden one."""
+    dense = mask.dense(T, S)[0, 0]  # (T, S)
+    tiles = []
+    for i0, k0 in itertools.product(range(0, T, block_q), range(0, S, block_k)):
+        block = dense[i0:i0 + block_q, k0:k0 + block_k]
+        if block.any():
+            tiles.append((i0, min(i0 + block_q, T), k0, min(k0 + block_k, S), not bool(block.all())))
+    return tiles
+
+
+def test_plan_visits_exactly_the_tiles_the_mask_does_not_hide():
+    rng = random.Random(0)
+    for _ in range(300):
+        S = rng.randint(1, 40)
+        T = rng.randint(1, S)
+        causal = rng.random() < 0.8
+        mask = Mask(causal=causal, window=rng.choice([None, 1, 3, 8, 50]) if causal else None)
+        bq, bk = rng.randint(1, 12), rng.randint(1, 12)
+        assert [tuple(t) for t in tiled.plan(mask, T, S, bq, bk)] == _brute_force_tiles(mask, T, S, bq, bk), \
+            (T, S, mask, bq, bk)
+
+
+def test_plan_masks_every_tile_of_a_per_batch_mask_and_skips_none_it_cannot_prove_hidden():
+    pad = torch.ones(1, 20, dtype=torch.bool)
+    tiles = tiled.plan(Mask(key_padding_mask=pad), 20, 20, 5, 5)
+    assert len(tiles) == 10 and all(t.masked for t in tiles)  # the causal lower triangle, all masked
+
+
+def test_hidden_tiles_are_skipped_by_the_kernel_and_kv_is_never_repeated(monkeypatch):
+    B, H, Hkv, T, D = 2, 4, 2, 64, 8
+    q = torch.randn(B, H, T, D)
+    k, v = torch.randn(B, Hkv, T, D), torch.randn(B, Hkv, T, D)
+    score_tiles = []
+    bmm = torch.bmm
+
+    def counting_bmm(a, b, *args, **kwargs):
+        if b.untyped_storage().data_ptr() == k.untyped_storage().data_ptr():  # a q·kᵀ score tile
+            score_tiles.append(tuple(a.shape[:2]) + (b.shape[2],))
+        return bmm(a, b, *args, **kwargs)
+    monkeypatch.setattr(torch, "bmm", counting_bmm)
+    tiled.run(q, k, v, Mask(window=16), scale=1.0, block_q=16, block_k=16)
+    # 4 x 4 tiles; causal keeps the 10 on and below the diagonal; window 16 drops the 3 farthest
+    assert len(score_tiles) == 7 == len(tiled.plan(Mask(window=16), T, T, 16, 16))
+    assert set(score_tiles) == {(B * Hkv, 16 * (H // Hkv), 16)}  # one matmul per tile for all B·Hkv groups
+    score_tiles.clear()
+    tiled.run(q, k, v, Mask(causal=False), scale=1.0, block_q=16, block_k=16)
+    assert len(score_tiles) == 16
+
+
+def _dense_keep(mask, B, H, Hkv, T, S, dropout_p, seed, block_q, block_k):
+    """The kernel's dropout multipliers assembled into one (B, H, T, S) tensor, tile by tile."""
+    G = H // Hkv
+    keep = torch.zeros(B * Hkv, T * G, S, dtype=torch.float64)  # the kernel's layout
+    for n, t in enumerate(tiled.plan(mask, T, S, block_q, block_k)):
+        like = torch.empty(B * Hkv, (t.i1 - t.i0) * G, t.k1 - t.k0, dtype=torch.float64)
+        keep[:, t.i0 * G:t.i1 * G, t.k0:t.k1] = tiled._keep(seed, n, like, dropout_p)
+    return keep.view(B, Hkv, T, G, S).transpose(2, 3).reshape(B, H, T, S)  # (B, H, T, S)
+
+
+@pytest.mark.parametrize("mask_kind", ["causal", "all"])
+def test_dropout_forward_and_backward_match_a_dense_reference(mask_kind):
+    B, H, Hkv, T, S, D, p, seed = 2, 4, 2, 29, 40, 8, 0.3, 1234
+    (q, k, v, grad), kwargs = make_case(H, Hkv, T, S, D, mask_kind, B=B)
+    mask = _mask(kwargs)
+    keep = _dense_keep(mask, B, H, Hkv, T, S, p, seed, 8, 16)
+    weights = math.run_with_weights(q, k, v, mask, scale=D ** -0.5)[1]  # (B, H, T, S), differentiable
+    want = (weights * keep) @ repeat_kv(v, H)  # (B, H, T, D)
+    want = (want.detach(), *torch.autograd.grad(want, (q, k, v), grad))
+    got = tiled.run(q, k, v, mask, scale=D ** -0.5, dropout_p=p, seed=seed, block_q=8, block_k=16)
+    assert_close_all((got.detach(), *torch.autograd.grad(got, (q, k, v), grad)), want, **F64)
+    visible = mask.dense(T, S).expand(B, H, T, S)
+    dropped = (keep[visible] == 0).double().mean().item()
+    assert abs(dropped - p) < 0.03, dropped  # ~9000 visible entries
+    kept = keep[visible][keep[visible] != 0]
+    torch.testing.assert_close(kept, torch.full_like(kept, 1 / (1 - p)))  # kept weights are scaled by 1 / (1 - p)
+    first, second = (tiled._keep(seed, n, torch.empty(2, 64, 64), p) for n in (0, 1))
+    assert not torch.equal(first, second)  # each tile draws its own mask
+
+
+def test_dropout_is_reproducible_from_torchs_generator():
+    q = torch.randn(1, 2, 33, 8)
+    run = lambda: attention(q, q, q, dropout_p=0.2, backend="tiled")
+    torch.manual_seed(7)
+    a, b = run(), run()
+    torch.manual_seed(7)
+    assert torch.equal(run(), a) and not torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_dtypes_are_preserved(dtype):
+    q, k, v = (torch.randn(2, 4, 9, 8, dtype=dtype, requires_grad=True) for _ in range(3))
+    out = tiled.run(q, k[:, :2], v[:, :2], Mask(), scale=0.3)
+    out.sum().backward()
+    assert out.dtype == q.grad.dtype == k.grad.dtype == v.grad.dtype == dtype
+
+
+@pytest.mark.parametrize("name,value,error", [("block_q", 0, ValueError), ("block_k", -3, ValueError),
+                                              ("block_q", 2.0, TypeError), ("block_k", True, TypeError)])
+def test_bad_block_sizes(name, value, error):
+    q = torch.randn(1, 1, 4, 2)
+    with pytest.raises(error, match=f"{name} must be a(n| positive) int, got .*{value!r}"):
+        tiled.run(q, q, q, Mask(), scale=1.0, **{name: value})
+
+
+MEMORY_SCRIPT = """
+import resource, sys, torch
+torch.set_num_threads(1)
+from selfattn import attention
+T, H, D = 16384, 1, 64
+q, k, v = (torch.randn(1, H, T, D, requires_grad=True) for _ in range(3))
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+out = attention(q, k, v, backend="tiled")
+out.backward(torch.ones_like(out))
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+unit = 1 if sys.platform == "darwin" else 1024  # ru_maxrss is bytes on macOS, KiB on Linux
+tail = attention(q[:, :, -3:].detach(), k.detach(), v.detach(), backend="math")  # the last 3 rows, exactly
+ok = all(torch.isfinite(t.grad).all() for t in (q, k, v))
+print((peak - before) * unit, (out[:, :, -3:] - tail).abs().max().item(), ok)
+"""
+
+
+def test_memory_grows_with_t_not_t_squared():
+    """Forward and backward at T = 16384 (one head): one float32 score tensor alone would be
+    1 GiB; the tiled backend's peak resident memory grows by less than an eighth of that."""
+    done = subprocess.run([sys.executable, "-c", MEMORY_SCRIPT], capture_output=True, text=True, timeout=120,
+                          cwd=pathlib.Path(__file__).resolve().parents[2])
+    assert done.returncode == 0, done.stderr
+    growth, tail_error, finite = done.stdout.split()
+    score_tensor = 16384 * 16384 * 4
+    assert int(growth) < score_tensor / 8, f"peak RSS grew by {int(growth) / 2**20:.0f} MiB"
+    assert float(tail_error) < 1e-5 and finite == "True"

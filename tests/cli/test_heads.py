@@ -1,0 +1,59 @@
+"""`selfattn heads`: the scores it prints and writes are the library's, on every kind of model path."""
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from selfattn.analysis.heads import attention_maps, head_scores
+from selfattn.cli import main as cli
+from selfattn.model import GPT, GPTConfig
+from selfattn.training import checkpoint
+from selfattn.training.tokenizers import BPETokenizer
+
+from helpers.gpt2 import gpt2_folder
+
+
+def _save_run(folder, cfg):
+
+    model = GPT(cfg)
+    folder.mkdir()
+    checkpoint.save(folder, 1, model, torch.optim.AdamW(model.parameters()), keep=1,
+                    meta={"model": dataclasses.asdict(cfg), "tokenizer": {"kind": "byte"}, "step": 1})
+    return model
+
+
+def test_heads_command_on_our_checkpoint(tmp_path, capsys):
+    cfg = GPTConfig(vocab_size=256, block_size=32, n_layer=2, n_head=2, n_embd=16, mlp=False)
+    model = _save_run(tmp_path / "run", cfg).eval()
+    assert cli(["heads", "--ckpt", str(tmp_path / "run"), "--length", "8", "--out", str(tmp_path / "out")]) == 0
+    text = capsys.readouterr().out
+    assert "2 layers x 2 heads; input: 8 random tokens, repeated (T=16)" in text
+    for role in ("previous-token", "induction", "duplicate-token", "first-token"):
+        assert f"  {role}" in text
+    result = json.loads((tmp_path / "out" / "scores.json").read_text())
+    tokens = torch.tensor([result["tokens"]])
+    assert torch.equal(tokens[:, :8], tokens[:, 8:])
+    expected = head_scores(attention_maps(model, tokens), tokens)  # the same weights, computed here
+    for name, s in expected.items():
+        torch.testing.assert_close(torch.tensor(result["scores"][name]), s)
+    best = result["ranking"]["induction"][0]
+    assert best["score"] == pytest.approx(expected["induction"].max().item())
+    assert (tmp_path / "out" / "attention.png").read_bytes()[:4] == b"\x89PNG"
+    assert cli(["heads", "--ckpt", str(tmp_path / "run"), "--layers", "0,2", "--out", str(tmp_path / "o")]) == 2
+    assert "--layers [2] out of range: the model has 2 layers" in capsys.readouterr().err
+
+
+def test_heads_command_on_a_gpt2_folder(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    folder = gpt2_folder(tmp_path / "gpt2", n_head=4)
+    tokenizer = BPETokenizer.from_folder(folder)
+    text = "the cat sat. the cat sat."
+    assert cli(["heads", "--ckpt", str(folder), "--text", text, "--out", str(tmp_path / "out")]) == 0
+    out = capsys.readouterr().out
+    assert "2 layers x 4 heads; input: --text" in out and "induction" in out
+    result = json.loads((tmp_path / "out" / "scores.json").read_text())
+    assert result["tokens"] == tokenizer.encode(text)
+    assert torch.tensor(result["scores"]["induction"]).shape == (2, 4)
+    assert cli(["heads", "--ckpt", str(folder), "--text", "abc", "--out", str(tmp_path / "o2")]) == 0
+    assert "no token occurs twice" in capsys.readouterr().out

@@ -1,0 +1,134 @@
+"""`selfattn sample`: streaming, reproducible seeds, UTF-8 across tokens, every kind of --ckpt."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from selfattn import loading, sampling
+from selfattn.cli import main
+from selfattn.training.tokenizers import ByteTokenizer
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """A micro model trained for a few steps (block_size 16, so long samples slide)."""
+    out = tmp_path_factory.mktemp("sample") / "run"
+    assert main(["train", "--n-layer", "1", "--n-embd", "16", "--n-head", "2", "--block-size", "16",
+                 "--batch-size", "8", "--max-steps", "4", "--eval-every", "4", "--eval-batches", "1",
+                 "--save-every", "4", "--lr", "1e-2", "--out", str(out)]) == 0
+    return out
+
+
+class _Terminal:
+    """A stdout that records each write and each flush."""
+
+    def __init__(self):
+        self.events = []
+
+    def write(self, text):
+        self.events.append(("write", text))
+
+    def flush(self):
+        self.events.append(("flush", None))
+
+    def text(self):
+        return "".join(t for kind, t in self.events if kind == "write")
+
+
+def _sample(monkeypatch, *args):
+    terminal = _Terminal()
+    monkeypatch.setattr(sys, "stdout", terminal)
+    assert main(["sample", *args]) == 0
+    return terminal
+
+
+def test_streams_one_flush_per_token_and_reproduces_with_a_seed(run, monkeypatch):
+    terminal = _sample(monkeypatch, "--ckpt", str(run), "--prompt", "The ", "--max-new-tokens", "40", "--seed", "7")
+    writes = [t for kind, t in terminal.events if kind == "write"]
+    assert terminal.events.count(("flush", None)) == 40  # the terminal sees every token as it comes
+    assert writes[0] == "The " and writes[-1] == "\n"
+    loaded = loading.load(run)
+    model, tokenizer = loaded.model, loaded.tokenizer
+    tokens = list(sampling.stream(model.eval(), tokenizer.encode("The "), 40,
+                                generator=torch.Generator().manual_seed(7), temperature=0.8))
+    assert terminal.text() == "The " + tokenizer.decode(tokens) + "\n"
+    assert _sample(monkeypatch, "--ckpt", str(run), "--prompt", "The ", "--max-new-tokens", "40",
+                   "--seed", "7").text() == terminal.text()
+    assert _sample(monkeypatch, "--ckpt", str(run), "--prompt", "The ", "--max-new-tokens", "40",
+                   "--seed", "8").text() != terminal.text()  # control: another seed, other text
+
+
+def test_a_fresh_process_prints_the_same_text(run, monkeypatch):
+    args = ["--ckpt", str(run), "--max-new-tokens", "30", "--seed", "3", "--top-k", "20", "--top-p", "0.9"]
+    r = subprocess.run([sys.executable, "-m", "selfattn", "sample", *args], capture_output=True, timeout=120,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.decode("utf-8") == _sample(monkeypatch, *args).text()
+
+
+def test_characters_split_across_tokens_are_printed_whole():
+    tok = ByteTokenizer()
+    pieces = list(sampling.text_pieces(tok, tok.encode("a日🎉")))
+    assert pieces == ["a", "", "", "日", "", "", "", "🎉"]
+    naive = [bytes([t]).decode("utf-8", errors="replace") for t in tok.encode("a日🎉")]
+    assert "\ufffd" in "".join(naive)  # control: decoding token by token breaks the characters
+    assert "".join(sampling.text_pieces(tok, [0x61, 0xFF, 0x62])) == "a\ufffdb"  # invalid byte
+    assert "".join(sampling.text_pieces(tok, tok.encode("日")[:2])) == "\ufffd"  # cut short at the end
+
+
+def test_generation_slides_past_block_size(run):
+    loaded = loading.load(run)
+    model, start = loaded.model.eval(), loaded.start_token
+    block = model.config.block_size
+    long = list(sampling.stream(model, [start], 3 * block, temperature=0.0))
+    assert len(long) == 3 * block
+    direct = torch.cat(list(model.generate(torch.tensor([[start]]), block, temperature=0.0))).tolist()
+    assert long[:block] == direct  # within one window, exactly model.generate
+
+
+def test_sample_from_a_checkpoint_file_and_a_torch_save_state_dict(run, monkeypatch):
+    from selfattn.training import checkpoint
+
+    args = ["--max-new-tokens", "20", "--seed", "1", "--prompt", "x"]
+    expected = _sample(monkeypatch, "--ckpt", str(run), *args).text()
+    assert _sample(monkeypatch, "--ckpt", str(checkpoint.latest(run)), *args).text() == expected
+    weights, _ = checkpoint.read_weights(checkpoint.latest(run))
+    torch.save(weights, run / "exported.pt")
+    assert _sample(monkeypatch, "--ckpt", str(run / "exported.pt"), *args).text() == expected
+
+
+def test_sample_errors_are_one_line(tmp_path, capsys):
+    assert main(["sample", "--ckpt", str(tmp_path)]) == 2
+    assert "holds no checkpoint" in capsys.readouterr().err
+    assert main(["sample", "--ckpt", str(tmp_path / "nope.safetensors")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_sample_from_a_local_gpt2_folder_matches_transformers(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    import transformers
+
+    from selfattn.training.data import read_corpus
+    from selfattn.training.tokenizers import BPETokenizer
+
+    text, _ = read_corpus(None)
+    bpe = BPETokenizer.train(text[:20_000], vocab_size=300)
+    bpe.tok.add_special_tokens(["<|endoftext|>"])
+    bpe.tok.save(str(tmp_path / "tokenizer.json"))
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=301, n_positions=32, n_embd=32, n_layer=2, n_head=2,
+                                     bos_token_id=300, eos_token_id=300)
+    hf = transformers.GPT2LMHeadModel(config).eval()
+    hf.save_pretrained(tmp_path)
+    prompt = "The value "
+    ids = bpe.encode(prompt)
+    want = hf.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False, pad_token_id=300)[0, len(ids):]
+    got = _sample(monkeypatch, "--ckpt", str(tmp_path), "--prompt", prompt, "--temperature", "0",
+                  "--max-new-tokens", "12").text()
+    assert got == prompt + BPETokenizer.from_json(open(tmp_path / "tokenizer.json").read()).decode(want.tolist()) + "\n"
+    (tmp_path / "tokenizer.json").unlink()
+    monkeypatch.setattr(sys, "stdout", _Terminal())
+    with pytest.raises(ValueError, match="has no tokenizer.json"):
+        loading.load(tmp_path)

@@ -1,0 +1,82 @@
+"""One loader for every model path: run folder, checkpoint file, state dict, GPT-2 folder."""
+import os
+
+import pytest
+import torch
+
+from selfattn import loading
+from selfattn.cli import main
+from selfattn.training import checkpoint
+
+from helpers.gpt2 import gpt2_folder
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """A micro run of `selfattn train` with two checkpoints (steps 2 and 4)."""
+    out = tmp_path_factory.mktemp("loading") / "run"
+    assert main(["train", "--n-layer", "1", "--n-embd", "16", "--n-head", "2", "--block-size", "16",
+                 "--batch-size", "4", "--max-steps", "4", "--eval-every", "4", "--eval-batches", "1",
+                 "--save-every", "2", "--out", str(out)]) == 0
+    return out
+
+
+def _same_weights(a, b) -> bool:
+    sa, sb = a.state_dict(), b.state_dict()
+    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def test_a_run_folder_loads_its_newest_checkpoint(run):
+    loaded = loading.load(run)
+    assert loaded.source == run / "ckpt-0000004.safetensors"
+    assert loaded.start_token == loaded.tokenizer.encode("\n")[0] and loaded.model.training
+    older = loading.load(run / "ckpt-0000002.safetensors")
+    assert older.source.name == "ckpt-0000002.safetensors"
+    assert not _same_weights(older.model, loaded.model)  # control: two steps of training changed the weights
+
+
+def test_a_checkpoint_file_and_a_torch_save_state_dict_load_the_same_model(run):
+    loaded = loading.load(run / "ckpt-0000004.safetensors")
+    assert _same_weights(loaded.model, loading.load(run).model)
+    weights, _ = checkpoint.read_weights(run / "ckpt-0000004.safetensors")
+    torch.save(weights, run / "exported.pt")
+    assert _same_weights(loading.load(run / "exported.pt").model, loaded.model)
+
+
+def test_a_gpt2_folder_loads_with_its_tokenizer(tmp_path):
+    import transformers
+
+    folder = gpt2_folder(tmp_path / "gpt2")
+    loaded = loading.load(folder)
+    assert loaded.source == folder and loaded.start_token == loaded.tokenizer.token_id("<|endoftext|>") is not None
+    ids = torch.tensor([loaded.tokenizer.encode("the cat sat")])
+    hf = transformers.GPT2LMHeadModel.from_pretrained(folder, local_files_only=True).eval()
+    torch.testing.assert_close(loaded.model.eval()(ids)[0], hf(ids).logits, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("make,words", [
+    (lambda p: p / "missing", ["does not exist"]),
+    (lambda p: p, ["holds no checkpoint"]),
+    (lambda p: (p / "ckpt-0000001.safetensors").write_bytes(b"garbage") and p / "ckpt-0000001.safetensors",
+     ["truncated or corrupted"]),
+])
+def test_paths_without_a_model_are_value_errors_naming_the_path(tmp_path, make, words):
+    path = make(tmp_path)
+    with pytest.raises(ValueError) as info:
+        loading.load(path)
+    assert str(path) in str(info.value) and all(w in str(info.value) for w in words), str(info.value)
+
+
+@pytest.mark.parametrize("command", [["check"], ["sample", "--max-new-tokens", "3", "--seed", "0"],
+                                     ["heads", "--length", "4"]])
+def test_every_command_takes_every_kind_of_model_path(command, run, tmp_path, capsys):
+    folder = gpt2_folder(tmp_path / "gpt2")
+    extra = ["--out", str(tmp_path / "heads")] if command[0] == "heads" else []
+    for path in (run, run / "ckpt-0000004.safetensors", folder):
+        assert main([command[0], "--ckpt", str(path), *command[1:], *extra]) == 0, path
+    capsys.readouterr()
+    assert main([command[0], "--ckpt", str(tmp_path / "nowhere"), *command[1:], *extra]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "does not exist" in err

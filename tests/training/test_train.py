@@ -1,0 +1,221 @@
+"""`selfattn train`: configs and flags, exact resume after a SIGKILL mid-save (fresh processes),
+non-finite loss, DDP and FSDP2 on CPU against one process, and a run that learns."""
+import hashlib
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from selfattn.cli import main
+from selfattn.model import GPT, GPTConfig
+from selfattn.training import checkpoint
+from selfattn.training.loop import TrainConfig, lr_at
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}  # the same thread count in every process
+MICRO = ["--n-layer", "1", "--n-embd", "16", "--n-head", "2", "--block-size", "16", "--batch-size", "8",
+         "--grad-accum", "2", "--warmup-steps", "2", "--eval-batches", "2", "--keep", "3"]
+RESUMED = MICRO + ["--max-steps", "6", "--save-every", "2", "--eval-every", "3", "--dropout", "0.1"]
+
+# Runs `selfattn train` with the checkpoint's fsync patched to SIGKILL the process right after the
+# temporary file of step 4 is complete and synced, before it is renamed: the worst moment to die.
+KILL_DURING_SAVE = """
+import os, signal, sys
+from pathlib import Path
+from selfattn import _files
+from selfattn.cli import main
+
+fsync = _files.fsync
+def fsync_then_die(path):
+    fsync(path)
+    if Path(path).name.startswith(".ckpt-0000004.safetensors.tmp-"):
+        os.kill(os.getpid(), signal.SIGKILL)
+_files.fsync = fsync_then_die
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def _selfattn(*args, script=None):
+    cmd = [sys.executable, "-c", script] if script else [sys.executable, "-m", "selfattn"]
+    return subprocess.run(cmd + list(args), capture_output=True, text=True, timeout=300, env=ENV)
+
+
+def _records(run):
+    """The per-step and eval records of a run's log, without timings."""
+    out = []
+    for line in (run / "log.jsonl").read_text().splitlines():
+        r = json.loads(line)
+        r.pop("tokens_per_s", None)
+        out.append(r)
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """An uninterrupted 6-step run, and the same run SIGKILLed while saving step 4, then resumed
+    by a fresh process: {"whole": path, "resumed": path, "after_kill": [file names]}."""
+    tmp = tmp_path_factory.mktemp("resume")
+    whole, resumed = tmp / "whole", tmp / "resumed"
+    r = _selfattn("train", *RESUMED, "--out", str(whole))
+    assert r.returncode == 0, r.stderr
+    r = _selfattn("train", *RESUMED, "--out", str(resumed), script=KILL_DURING_SAVE)
+    assert r.returncode == -9, r.stderr  # SIGKILL
+    after_kill = sorted(p.name for p in resumed.iterdir())
+    last_good = checkpoint.load(resumed / "ckpt-0000002.safetensors")  # loadable despite the kill
+    assert last_good["step"] == 2
+    r = _selfattn("train", "--resume", "--out", str(resumed))
+    assert r.returncode == 0, r.stderr
+    assert "resuming at step 2" in r.stdout
+    return {"whole": whole, "resumed": resumed, "after_kill": after_kill}
+
+
+def test_sigkill_during_a_save_leaves_the_last_checkpoint(runs):
+    names = runs["after_kill"]
+    assert "ckpt-0000002.safetensors" in names and "ckpt-0000004.safetensors" not in names
+    assert any(n.startswith(".ckpt-0000004.safetensors.tmp-") for n in names)  # the kill hit mid-save
+    assert not any(n.startswith(".ckpt-") for n in os.listdir(runs["resumed"]))  # cleaned up by the next save
+
+
+def test_resume_in_a_fresh_process_equals_the_uninterrupted_run(runs):
+    whole, resumed = _records(runs["whole"]), _records(runs["resumed"])
+    assert [r["step"] for r in whole if "loss" in r] == [1, 2, 3, 4, 5, 6]
+    assert resumed == whole  # every loss, lr, gradient norm and val loss, bit for bit
+    a, _ = checkpoint.read_weights(runs["whole"] / "ckpt-0000006.safetensors")
+    b, _ = checkpoint.read_weights(runs["resumed"] / "ckpt-0000006.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_resume_checker_can_fail(runs, tmp_path):
+    """Negative control: the same run with another seed differs, so equality above is not vacuous."""
+    assert main(["train", *RESUMED, "--max-steps", "2", "--seed", "1", "--out", str(tmp_path)]) == 0
+    other = [r["loss"] for r in _records(tmp_path) if "loss" in r]
+    whole = [r["loss"] for r in _records(runs["whole"]) if "loss" in r][:2]
+    assert other != whole
+
+
+def test_nonfinite_loss_stops_naming_the_step_and_keeps_the_checkpoint(runs, tmp_path, capsys):
+    run = tmp_path / "run"
+    shutil.copytree(runs["resumed"], run)
+    last = run / "ckpt-0000006.safetensors"
+    digest = hashlib.sha256(last.read_bytes()).hexdigest()
+    assert main(["train", "--resume", "--out", str(run), "--lr", "1e30", "--max-steps", "10"]) == 1
+    last_line = capsys.readouterr().err.strip().splitlines()[-1]  # after the closed progress bar
+    assert last_line == (f"selfattn train: error: loss is nan at step 8; stopped without saving, "
+                         f"the last good checkpoint is {last}")
+    assert checkpoint.latest(run) == last and hashlib.sha256(last.read_bytes()).hexdigest() == digest
+    assert checkpoint.load(last)["step"] == 6
+
+
+def _torchrun(*args):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "selfattn"]
+    return subprocess.run(cmd + list(args), capture_output=True, text=True, timeout=300, env=ENV)
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_two_cpu_processes_equal_one_with_the_same_global_batch(tmp_path, mode):
+    flags = MICRO + ["--max-steps", "3", "--save-every", "3", "--eval-every", "3", "--lr", "1e-2"]
+    r = _torchrun("train", *flags, "--out", str(tmp_path / mode), *(["--fsdp"] if mode == "fsdp" else []))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.count("selfattn train: done") == 1 and "2 rank(s) on cpu" in r.stdout  # rank 0 alone prints
+    assert main(["train", *flags, "--out", str(tmp_path / "one")]) == 0
+    two, _ = checkpoint.read_weights(tmp_path / mode / "ckpt-0000003.safetensors")
+    one, _ = checkpoint.read_weights(tmp_path / "one" / "ckpt-0000003.safetensors")
+    torch.manual_seed(0)
+    start = GPT(GPTConfig(n_layer=1, n_embd=16, n_head=2, block_size=16)).state_dict()
+    for name in one:
+        torch.testing.assert_close(two[name], one[name], rtol=1e-5, atol=1e-6)
+        if name.endswith("weight") and "ln" not in name:  # control: training moved them far beyond the tolerance
+            assert (one[name] - start[name]).abs().max() > 1e-3, name
+    losses = [[r["loss"] for r in _records(tmp_path / d) if "loss" in r] for d in (mode, "one")]
+    assert losses[0] == pytest.approx(losses[1], rel=1e-5)
+
+
+def test_a_short_run_learns(tmp_path):
+    out = tmp_path / "run"
+    assert main(["train", "--n-layer", "1", "--n-embd", "16", "--n-head", "2", "--block-size", "16",
+                 "--batch-size", "8", "--max-steps", "40", "--lr", "2e-2", "--warmup-steps", "3",
+                 "--eval-every", "40", "--eval-batches", "4", "--save-every", "40", "--out", str(out)]) == 0
+    val = [r["val_loss"] for r in _records(out) if "val_loss" in r]
+    assert val[0] > 5.4 and val[-1] < 4.0  # from uniform over 256 bytes (ln 256 = 5.55) to letter statistics
+    assert (out / "loss.png").read_bytes().startswith(b"\x89PNG") and (out / "config.json").exists()
+
+
+def test_lr_schedule_warms_up_then_decays_to_min_lr():
+    cfg = TrainConfig(lr=1.0, min_lr=0.1, warmup_steps=10, max_steps=110)
+    assert [lr_at(s, cfg) for s in (1, 5, 10)] == [0.1, 0.5, 1.0]
+    assert lr_at(60, cfg) == pytest.approx(0.55) and lr_at(110, cfg) == pytest.approx(0.1)
+    decay = [lr_at(s, cfg) for s in range(10, 111)]
+    assert all(a > b for a, b in zip(decay, decay[1:]))
+    assert lr_at(1000, cfg) == pytest.approx(0.1)  # past max_steps (a resumed, extended run) it stays at min_lr
+
+
+def test_flags_come_from_the_dataclasses_with_their_comments():
+    from selfattn.cli import build_parser
+
+    parser = build_parser(["train"])
+    args = parser.parse_args(["train", "--n-layer", "3", "--no-bias", "--window", "none", "--lr", "2e-3", "--bf16"])
+    assert (args.n_layer, args.bias, args.window, args.lr, args.bf16) == (3, False, None, 2e-3, True)
+    assert not hasattr(args, "n_head") and not hasattr(args, "vocab_size")  # only what was typed; vocab from data
+    help_text = " ".join(parser._subparsers._group_actions[0].choices["train"].format_help().split())
+    assert "peak learning rate, reached after the warmup" in help_text
+    assert "number of transformer blocks" in help_text
+    with pytest.raises(SystemExit):
+        parser.parse_args(["train", "--n-layer", "four"])
+
+
+@pytest.mark.parametrize("content, message", [
+    ({"train": {"learning_rate": 1e-3}}, "unknown TrainConfig key 'learning_rate'"),
+    ({"model": {"n_layers": 2}}, "unknown GPTConfig key 'n_layers'; did you mean 'n_layer'?"),
+    ({"model": {"n_layer": "4"}}, "GPTConfig key 'n_layer' must be int, got str '4'"),
+    ({"train": {"bf16": 1}}, "TrainConfig key 'bf16' must be bool, got int 1"),
+    ({"optimizer": {}}, "expected an object with keys 'model' and/or 'train', got ['optimizer']"),
+    ({"model": {"vocab_size": 100}}, "'vocab_size' is set by the tokenizer"),
+])
+def test_config_file_errors_name_the_key(tmp_path, capsys, content, message):
+    path = tmp_path / "cfg.json"
+    path.write_text(json.dumps(content))
+    assert main(["train", "--config", str(path), "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and str(path) in err and message in err
+
+
+def test_config_file_layers_over_the_preset_and_flags_over_both(tmp_path):
+    from selfattn.training.loop import resolve_configs
+
+    path = tmp_path / "cfg.json"
+    path.write_text(json.dumps({"model": {"n_layer": 3}, "train": {"lr": 5e-4, "max_steps": 7}}))
+    model_cfg, train_cfg, resume = resolve_configs(tmp_path / "run", preset="tiny", config=str(path),
+                                                   train_flags={"max_steps": 9})
+    assert (model_cfg.n_layer, model_cfg.n_embd, train_cfg.lr, train_cfg.max_steps, resume) == (3, 128, 5e-4, 9, None)
+
+
+def test_resume_refusals(runs, tmp_path, capsys):
+    assert main(["train", "--resume", "--out", str(tmp_path / "empty")]) == 2
+    assert "no checkpoint" in capsys.readouterr().err
+    assert main(["train", *MICRO, "--out", str(runs["whole"])]) == 2
+    assert "already holds checkpoints; pass --resume" in capsys.readouterr().err
+    assert main(["train", "--resume", "--n-embd", "32", "--out", str(runs["whole"])]) == 2
+    assert "--n-embd 32 differs from the checkpoint's n_embd=16" in capsys.readouterr().err
+    shutil.copytree(runs["whole"], tmp_path / "done")
+    assert main(["train", "--resume", "--out", str(tmp_path / "done")]) == 0
+    assert "nothing to do" in capsys.readouterr().out
+
+
+def test_bf16_autocast_trains_close_to_float32(tmp_path):
+    flags = MICRO + ["--max-steps", "2", "--save-every", "2", "--eval-every", "2"]
+    assert main(["train", *flags, "--out", str(tmp_path / "fp32")]) == 0
+    assert main(["train", *flags, "--bf16", "--out", str(tmp_path / "bf16")]) == 0
+    fp32, bf16 = ([r["loss"] for r in _records(tmp_path / d) if "loss" in r] for d in ("fp32", "bf16"))
+    assert fp32 != bf16 and bf16 == pytest.approx(fp32, rel=2e-2)  # bfloat16 really ran, and stayed close
+
+
+def test_train_config_values_are_checked():
+    with pytest.raises(ValueError, match="batch_size must be a positive int, got 0"):
+        TrainConfig(batch_size=0)
+    with pytest.raises(ValueError, match="tokenizer must be 'byte' or 'bpe', got 'wordpiece'"):
+        TrainConfig(tokenizer="wordpiece")
+    assert math.isclose(TrainConfig().lr, 1e-3)
