@@ -39,7 +39,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = True, window: i
                 doc_ids=_validate.per_key("doc_ids", doc_ids, B, S, int, q.device))
     dropout_p = _validate.probability("dropout_p", dropout_p)
     scale = q.shape[-1] ** -0.5 if scale is None else _validate.positive_number("scale", scale)
-    name = backends.resolve(backend, return_weights=return_weights)
+    name = backends.resolve(backend, q=q, k=k, v=v, mask=mask, dropout_p=dropout_p, return_weights=return_weights)
     impl = backends.load(name)
     if return_weights and not impl.RETURNS_WEIGHTS:
         raise ValueError(f"return_weights=True needs backend 'math' (or 'auto', which picks it); "

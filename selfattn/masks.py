@@ -15,6 +15,16 @@ The rules, all combinable (True = may attend):
   document id equals its own (the id at its key index).
 
 A query row that can see nothing (e.g. a left-padding query) is defined to output zeros.
+
+Block map. Tiled kernels cut the T x S pairs into tiles of ``block_q`` queries by ``block_k``
+keys; :meth:`Mask.blocks` says for every (batch row, query tile, key tile) whether the mask
+hides all of the tile's pairs (the kernel skips it), shows all of them (no mask is applied)
+or some (the tile is masked). It is computed from per-tile summaries, never from the T x S
+mask: the extreme positions of each tile (causal, window), the number of real keys per key
+tile (padding), the smallest and largest document id per tile (documents). HIDDEN and FULL
+are always true statements about the tile; the map is exact (every PARTIAL tile really has
+both kinds of pairs) for causal, window and padding and for sorted document ids, and may
+call a tile PARTIAL that a combination of rules happens to hide or show entirely.
 """
 from __future__ import annotations
 
@@ -22,6 +32,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+
+HIDDEN, PARTIAL, FULL = 0, 1, 2  # the kinds of tile in a BlockMap
 
 
 @dataclass(frozen=True, eq=False)
@@ -73,21 +85,77 @@ class Mask:
         """The whole mask, bool ``(B or 1, 1, T, S)``: the tile of all queries and keys."""
         return self.tile(S - T, S, 0, S, device)
 
-    def hides(self, q0: int, q1: int, k0: int, k1: int) -> bool:
-        """True when causal/window hide every pair of the tile, so a tiled kernel skips it."""
-        if q1 <= q0 or k1 <= k0:
-            return True
-        if (self.causal or self.window is not None) and k0 > q1 - 1:
-            return True  # every key is in the future of every query
-        return self.window is not None and k1 - 1 <= q0 - self.window  # all keys too old
+    def rows(self, index: Tensor) -> Mask:
+        """The mask of the batch rows ``index`` (1-D integer tensor) of a per-batch mask."""
+        pick = (lambda t: None if t is None else t.index_select(0, index.to(t.device)))
+        return Mask(self.causal, self.window, pick(self.key_padding_mask), pick(self.doc_ids))
 
-    def needs_tile(self, q0: int, q1: int, k0: int, k1: int) -> bool:
-        """False when every pair of the tile is allowed, so no mask needs to be applied."""
-        if self.per_batch:
-            return True
-        if (self.causal or self.window is not None) and k1 - 1 > q0:
-            return True  # some key is in the future of the first query
-        return self.window is not None and k0 <= q1 - 1 - self.window  # some key too old
+    def blocks(self, T: int, S: int, block_q: int, block_k: int) -> BlockMap:
+        """The :class:`BlockMap` of T queries over S keys in tiles of ``block_q`` x ``block_k``."""
+        device = next((t.device for t in (self.key_padding_mask, self.doc_ids) if t is not None), None)
+        nq, nk = -(-T // block_q), -(-S // block_k)
+        p_lo = S - T + torch.arange(nq, device=device) * block_q  # (nq,) each query tile's first position
+        p_hi = torch.clamp(p_lo + block_q, max=S) - 1  # (nq,) and its last
+        k_lo = torch.arange(nk, device=device) * block_k  # (nk,) each key tile's first key
+        k_hi = torch.clamp(k_lo + block_k, max=S) - 1  # (nk,) and its last
+        hidden = torch.zeros(1, nq, nk, dtype=torch.bool, device=device)
+        full = torch.ones(1, nq, nk, dtype=torch.bool, device=device)
+        if self.causal or self.window is not None:
+            hidden |= k_lo[None, None, :] > p_hi[None, :, None]  # every key after every query
+            full &= k_hi[None, None, :] <= p_lo[None, :, None]  # every key at or before the first query
+        if self.window is not None:
+            hidden |= k_hi[None, None, :] <= p_lo[None, :, None] - self.window  # every key too old for every query
+            full &= k_lo[None, None, :] > p_hi[None, :, None] - self.window  # every key recent for the last query
+        if self.key_padding_mask is not None:
+            real = _per_tile(self.key_padding_mask.int(), block_k, "sum")  # (B, nk) real keys per key tile
+            hidden = hidden | (real == 0)[:, None, :]
+            full = full & (real == k_hi - k_lo + 1)[:, None, :]
+        if self.doc_ids is not None:
+            docs = self.doc_ids
+            q_min, q_max = _per_tile(docs[:, S - T:], block_q, "amin"), _per_tile(docs[:, S - T:], block_q, "amax")
+            k_min, k_max = _per_tile(docs, block_k, "amin"), _per_tile(docs, block_k, "amax")  # (B, nq), (B, nk)
+            hidden = hidden | (q_max[:, :, None] < k_min[:, None, :]) | (q_min[:, :, None] > k_max[:, None, :])
+            one_doc = (q_min == q_max)[:, :, None] & (k_min == k_max)[:, None, :]  # (B, nq, nk)
+            full = full & one_doc & (q_min[:, :, None] == k_min[:, None, :])
+        kind = torch.where(hidden, HIDDEN, torch.where(full, FULL, PARTIAL)).to(torch.uint8)
+        return BlockMap(kind, block_q, block_k)
+
+
+@dataclass(frozen=True)
+class BlockMap:
+    """Per (batch row, query tile, key tile): HIDDEN, PARTIAL or FULL (see the module docstring)."""
+    kind: Tensor  # (B or 1, n_q, n_k) uint8; one row when the mask is the same for every batch row
+    block_q: int  # queries per tile: tile i holds queries [i·block_q, (i+1)·block_q) of the T
+    block_k: int  # keys per tile: tile j holds keys [j·block_k, (j+1)·block_k) of the S
+
+    def density(self) -> float:
+        """The fraction of tiles a kernel computes (PARTIAL or FULL), over every batch row."""
+        return (self.kind != HIDDEN).float().mean().item() if self.kind.numel() else 0.0
+
+    def lists(self, which: int) -> tuple[Tensor, Tensor]:
+        """Per query tile, its key tiles of kind ``which`` (PARTIAL or FULL), as a kernel walks them:
+        counts ``(B or 1, n_q)`` int32 and indices ``(B or 1, n_q, n_k)`` int32, the first
+        ``count`` of each row in increasing order (FlexAttention's ``kv_num_blocks``/``kv_indices``)."""
+        selected = self.kind == which
+        counts = selected.sum(-1, dtype=torch.int32)  # (B or 1, nq)
+        order = torch.argsort((~selected).to(torch.uint8), dim=-1, stable=True)  # selected tiles first, in order
+        return counts.contiguous(), order.to(torch.int32).contiguous()  # rows contiguous: kernels step by 1
+
+    def transposed(self) -> BlockMap:
+        """The same map seen from the keys: per key tile, its query tiles (for dK and dV)."""
+        return BlockMap(self.kind.transpose(1, 2), self.block_k, self.block_q)
+
+
+def _per_tile(values: Tensor, block: int, how: str) -> Tensor:
+    """(B, L) -> (B, ceil(L / block)): the sum, min or max of each run of ``block`` positions.
+    The last, ragged run is padded with its own last value (min and max) or zeros (sum)."""
+    B, L = values.shape
+    pad = -L % block
+    if pad:
+        fill = values.new_zeros(B, pad) if how == "sum" else values[:, -1:].expand(B, pad)
+        values = torch.cat([values, fill], dim=1)
+    tiles = values.view(B, -1, block)  # (B, n, block)
+    return getattr(tiles, how)(dim=2)
 
 
 def allowed(q_pos: int, k_pos: int, *, causal: bool = True, window: int | None = None) -> bool:

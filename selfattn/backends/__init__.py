@@ -6,9 +6,11 @@ Every backend is a module of this package that satisfies :class:`Backend`:
   return the attention weights);
 - ``sdpa``: ``torch.nn.functional.scaled_dot_product_attention``;
 - ``tiled``: the FlashAttention algorithm in plain PyTorch, memory linear in T;
+- ``flex``: PyTorch's FlexAttention (compiled), driven by the same mask and block map;
 - ``triton``: a fused GPU kernel (optional extra ``triton``), imported on first use.
 
-:func:`resolve` turns ``"auto"`` into a backend name; :func:`load` imports one;
+:func:`resolve` turns ``"auto"`` into a backend name (the rule and its measurements:
+:mod:`selfattn.backends.auto`); :func:`load` imports one;
 :func:`availability` says whether one can run on a device here, without raising.
 """
 from __future__ import annotations
@@ -20,9 +22,10 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
+from selfattn.backends import auto
 from selfattn.masks import Mask
 
-NAMES = ("math", "sdpa", "tiled", "triton")
+NAMES = ("math", "sdpa", "tiled", "flex", "triton")
 
 
 class Backend(Protocol):
@@ -42,13 +45,19 @@ class Backend(Protocol):
         """The attention output."""
 
 
-def resolve(name: str, *, return_weights: bool = False) -> str:
-    """The backend that serves ``name``; ``"auto"`` is the math backend when weights are asked
-    for, else PyTorch's fused kernel: ``selfattn bench attention`` measured it the fastest
-    within noise in float32 at every T (for bfloat16 rows of 512 keys or fewer on CPU the
-    plain formula is faster, which ``auto`` does not yet exploit)."""
+def resolve(name: str, *, q: Tensor | None = None, k: Tensor | None = None, v: Tensor | None = None,
+            mask: Mask | None = None, dropout_p: float = 0.0, return_weights: bool = False) -> str:
+    """The backend that serves ``name``; ``"auto"`` is decided by :mod:`selfattn.backends.auto`
+    from the request (q, k, v, mask, dropout_p, return_weights) when it is given."""
     if name == "auto":
-        return "math" if return_weights else "sdpa"
+        for candidate in auto.candidates(q, k, v, mask, dropout_p, return_weights):
+            try:
+                backend = load(candidate)
+            except ImportError:  # an optional extra that is not installed
+                continue
+            if q is None or backend.unsupported(q, k, v, mask, dropout_p) is None:
+                return candidate
+        return "sdpa"
     if name not in NAMES:
         raise ValueError(f"unknown attention backend {name!r}; choose one of {('auto',) + NAMES}")
     return name
@@ -73,4 +82,4 @@ def availability(name: str, device: torch.device | str = "cpu") -> str | None:
 
 # The pure-PyTorch backends are imported up front so that torch.compile never has to trace an
 # import (``load`` finds them in sys.modules); only the optional triton backend stays lazy.
-from selfattn.backends import math, sdpa, tiled  # noqa: E402,F401
+from selfattn.backends import flex, math, sdpa, tiled  # noqa: E402,F401

@@ -5,9 +5,11 @@ into blocks of ``block_k`` columns. Each query block walks over the key blocks k
 row, the running maximum ``m`` of its scores, the running sum ``l`` of ``exp(score - m)`` and
 the running output ``acc``; when the maximum grows, ``l`` and ``acc`` are rescaled by
 ``exp(m_old - m_new)``. Only one ``(block_q, block_k)`` score tile per head exists at a time,
-so memory grows with T, not T². A tile that the mask hides entirely is never computed
-(:meth:`Mask.hides`); the tile mask is built only for tiles that are partly hidden
-(:meth:`Mask.needs_tile`). The forward saves the per-row log-sum-exp ``lse = m + log l``.
+so memory grows with T, not T². The mask's block map (:meth:`Mask.blocks`) decides per tile:
+a tile it hides is never computed, a tile it shows in full takes no mask, only a partial tile
+is masked. The map differs between batch rows under padding or documents, so the rows are
+grouped by their map (:func:`plan`) and each group runs on its own tiles. The forward saves
+the per-row log-sum-exp ``lse = m + log l``.
 (q is pre-multiplied by ``scale·log2(e)``, so the scores, ``m`` and ``lse`` are in log2
 units and every exponential is an ``exp2``, three times faster than ``exp`` on CPU.)
 
@@ -23,9 +25,10 @@ the G query heads of one key/value head side by side for each position), so one 
 matmul over B·Hkv serves all G query heads of a key/value head, and ``dK``, ``dV`` sum over
 the group inside the matmul.
 
-Dropout is supported: each tile draws its keep-mask from its own generator, seeded from one
-number drawn from torch's global generator per call, so the backward regenerates exactly
-the forward's mask without storing it. Half-precision inputs are computed in float32.
+Dropout is supported: each tile draws its keep-mask from its own generator (one per batch
+row for a group of some rows), seeded from one number drawn from torch's global generator
+per call and the tile's place, so the backward regenerates exactly the forward's mask without
+storing it. Half-precision inputs are computed in float32.
 """
 from __future__ import annotations
 
@@ -36,15 +39,20 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from selfattn._seeds import stream_seed
 from selfattn._validate import positive_ints
 from selfattn.backends._common import half
-from selfattn.masks import Mask
+from selfattn.masks import HIDDEN, PARTIAL, Mask
 
 # Tile sizes: each tile costs ~10 PyTorch calls, so tiles must be large enough to hide the
-# per-call overhead. 256 x 256 was the fastest or tied of 128..512 on a 2-core CPU, float32
-# forward+backward, D = 64, from (B=16, T=1024) to (B=2, T=8192); see the README.
-BLOCK_Q = 256  # query rows per tile
-BLOCK_K = 256  # key columns per tile
+# per-call overhead, and small enough to skip what a mask hides. Plain causal: 256 x 256 was
+# the fastest or tied of 128..512 on a 2-core AVX-512 CPU, float32 forward+backward, D = 64,
+# from (B=16, T=1024) to (B=2, T=8192). Windows, padding, documents: 128 x 128, measured
+# 1.1-1.2x faster than 256 x 256 on a 2-core AVX2 CPU (window 256 at T = 4096 and 16384,
+# 16 documents at T = 4096; B=1, H=8, D=64; forward and forward+backward, interleaved runs).
+BLOCK_Q = 256  # query rows per tile, plain causal or unmasked
+BLOCK_K = 256  # key columns per tile, plain causal or unmasked
+MASKED_BLOCK = 128  # rows and columns per tile when a window, padding or documents hide tiles
 LOG2E = 1.4426950408889634  # log2(e): scores are kept in log2 units, so exp is exp2 (3x faster on CPU)
 RETURNS_WEIGHTS = False
 
@@ -67,30 +75,46 @@ class Tile(NamedTuple):
     masked: bool
 
 
-def plan(mask: Mask, T: int, S: int, block_q: int = BLOCK_Q, block_k: int = BLOCK_K) -> list[Tile]:
-    """The tiles the kernel computes, query block by query block; hidden tiles are left out.
+class Group(NamedTuple):
+    """Batch rows that share one block map, and the tiles they compute, query block by query block."""
+    rows: Tensor | None  # the batch rows (1-D int64), None for all of them
+    tiles: list[Tile]
 
-    Query i sits at key index ``S - T + i`` (bottom-right alignment, see :mod:`selfattn.masks`).
-    """
-    offset = S - T
-    tiles = []
-    for i0 in range(0, T, block_q):
-        i1 = min(i0 + block_q, T)
-        p0, p1 = offset + i0, offset + i1  # the block's key-index positions
-        for k0 in range(0, S, block_k):
-            k1 = min(k0 + block_k, S)
-            if not mask.hides(p0, p1, k0, k1):
-                tiles.append(Tile(i0, i1, k0, k1, mask.needs_tile(p0, p1, k0, k1)))
-    return tiles
+
+def plan(mask: Mask, T: int, S: int, block_q: int = BLOCK_Q, block_k: int = BLOCK_K) -> list[Group]:
+    """The tiles the kernel computes: the block map's PARTIAL and FULL tiles, for each group of
+    batch rows with the same map (one group of all rows when the mask is the same for each)."""
+    kind = mask.blocks(T, S, block_q, block_k).kind  # (B or 1, nq, nk)
+    if kind.shape[0] == 1:
+        return [Group(None, _tiles(kind[0], T, S, block_q, block_k))]
+    maps, which = torch.unique(kind.flatten(1), dim=0, return_inverse=True)  # rows with one map share it
+    if len(maps) == 1:
+        return [Group(None, _tiles(kind[0], T, S, block_q, block_k))]
+    return [Group((which == g).nonzero().flatten().cpu(), _tiles(maps[g].view(kind.shape[1:]), T, S, block_q,
+                                                                  block_k)) for g in range(len(maps))]
+
+
+def _tiles(kind: Tensor, T: int, S: int, block_q: int, block_k: int) -> list[Tile]:
+    """The non-hidden tiles of one (nq, nk) map, row-major."""
+    return [Tile(qi * block_q, min(qi * block_q + block_q, T), kj * block_k, min(kj * block_k + block_k, S),
+                 value == PARTIAL)
+            for qi, row in enumerate(kind.tolist()) for kj, value in enumerate(row) if value != HIDDEN]
+
+
+def tile_sizes(mask: Mask) -> tuple[int, int]:
+    """(block_q, block_k) for a mask: smaller tiles where a window, padding or documents hide some."""
+    return (MASKED_BLOCK, MASKED_BLOCK) if mask.window is not None or mask.per_batch else (BLOCK_Q, BLOCK_K)
 
 
 def run(q: Tensor, k: Tensor, v: Tensor, mask: Mask, *, scale: float, dropout_p: float = 0.0,
-        block_q: int = BLOCK_Q, block_k: int = BLOCK_K, seed: int | None = None) -> Tensor:
+        block_q: int | None = None, block_k: int | None = None, seed: int | None = None) -> Tensor:
     """Attention of q ``(B, H, T, D)`` over k, v ``(B, Hkv, S, D)`` -> ``(B, H, T, D)``.
 
-    ``block_q``, ``block_k``: tile sizes. ``seed``: the dropout seed (default: drawn from
-    torch's global generator, and only when ``dropout_p > 0``).
+    ``block_q``, ``block_k``: tile sizes (default :func:`tile_sizes`). ``seed``: the dropout
+    seed (default: drawn from torch's global generator, and only when ``dropout_p > 0``).
     """
+    default_q, default_k = tile_sizes(mask)
+    block_q, block_k = default_q if block_q is None else block_q, default_k if block_k is None else block_k
     positive_ints(block_q=block_q, block_k=block_k)
     if dropout_p > 0.0 and seed is None:
         seed = int(torch.randint(2 ** 62, ()).item())
@@ -106,56 +130,107 @@ class _TiledAttention(torch.autograd.Function):
         qs = _group(q.to(work) * (scale * LOG2E), Hkv)  # (B·Hkv, T·G, D), scores come out in log2 units
         kw = k.to(work).reshape(B * Hkv, S, D)  # (B·Hkv, S, D)
         vw = v.to(work).reshape(B * Hkv, S, D)  # (B·Hkv, S, D)
-        tiles = plan(mask, T, S, block_q, block_k)
-        out, lse = _forward(qs, kw, vw, mask, tiles, (B, Hkv, H // Hkv), S - T, dropout_p, seed)
+        groups = plan(mask, T, S, block_q, block_k)
+        out, lse = torch.empty_like(qs), qs.new_empty(B * Hkv, qs.shape[1], 1)
+        for group in groups:
+            part = _Part(group, mask, B, Hkv, H // Hkv, S - T, dropout_p, seed)
+            o, l = _forward(part.take(qs), part.take(kw), part.take(vw), part)
+            part.put(out, o)
+            part.put(lse, l)
         out = _ungroup(out, B, H, Hkv).to(q.dtype)  # (B, H, T, D)
         ctx.save_for_backward(qs, kw, vw, out, lse)
-        ctx.setup = (mask, tiles, scale, dropout_p, seed, Hkv, S - T)
+        ctx.setup = (mask, groups, scale, dropout_p, seed, Hkv, S - T)
         return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out):
         qs, kw, vw, out, lse = ctx.saved_tensors
-        mask, tiles, scale, dropout_p, seed, Hkv, offset = ctx.setup
+        mask, groups, scale, dropout_p, seed, Hkv, offset = ctx.setup
         B, H, T, D = out.shape
         S = kw.shape[1]
         grad_out = grad_out.to(qs.dtype)
         do = _group(grad_out, Hkv)  # (B·Hkv, T·G, D)
         neg_d = _group((grad_out * out.to(qs.dtype)).sum(dim=3, keepdim=True).neg_(), Hkv)  # -D, (B·Hkv, T·G, 1)
-        dq, dk, dv = _backward(qs, kw, vw, lse, do, neg_d, mask, tiles, (B, Hkv, H // Hkv), offset, dropout_p, seed)
+        dq, dk, dv = torch.empty_like(qs), torch.empty_like(kw), torch.empty_like(vw)
+        for group in groups:
+            part = _Part(group, mask, B, Hkv, H // Hkv, offset, dropout_p, seed)
+            grads = _backward(*(part.take(t) for t in (qs, kw, vw, lse, do, neg_d)), part)
+            for full, g in zip((dq, dk, dv), grads):
+                part.put(full, g)
         dq = _ungroup(dq.mul_(scale), B, H, Hkv).to(out.dtype)  # (B, H, T, D)
         dk = dk.div_(LOG2E).view(B, Hkv, S, D).to(out.dtype)  # (B, Hkv, S, D); qs carried scale·log2(e)
         dv = dv.view(B, Hkv, S, D).to(out.dtype)  # (B, Hkv, S, D)
         return dq, dk, dv, None, None, None, None, None, None
 
 
-def _forward(qs, k, v, mask, tiles, heads, offset, dropout_p, seed):
-    """Online softmax, query block by query block. Returns out ``(B·Hkv, T·G, D)`` and the
-    log2-sum-exp2 of the scores ``(B·Hkv, T·G, 1)``."""
-    G = heads[2]
+class _Part:
+    """One group of batch rows as the kernels see it: its slice of every (B·Hkv, ...) tensor,
+    its mask, its tiles and its dropout streams."""
+
+    def __init__(self, group: Group, mask: Mask, B: int, Hkv: int, G: int, offset: int, dropout_p: float,
+                 seed: int):
+        self.tiles, self.offset, self.dropout_p, self.seed = group.tiles, offset, dropout_p, seed
+        self.batch = group.rows  # None: every batch row
+        self.mask = mask if group.rows is None else mask.rows(group.rows)
+        nb = B if group.rows is None else len(group.rows)
+        self.heads = (nb, Hkv, G)
+        self.index = None if group.rows is None else (group.rows[:, None] * Hkv + torch.arange(Hkv)).flatten()
+
+    def take(self, t: Tensor) -> Tensor:
+        """This group's rows of a (B·Hkv, ...) tensor (the tensor itself for every row)."""
+        return t if self.index is None else t.index_select(0, self.index.to(t.device))
+
+    def put(self, full: Tensor, part: Tensor) -> None:
+        """Write this group's rows ``part`` into the (B·Hkv, ...) tensor ``full``."""
+        if self.index is None:
+            full.copy_(part)
+        else:
+            full.index_copy_(0, self.index.to(full.device), part)
+
+    def keep(self, t: Tile, p: Tensor) -> Tensor:
+        """Tile ``t``'s dropout multiplier, shaped like its score tile ``p`` (nb·Hkv, Bq·G, Bk):
+        0 where dropped, ``1 / (1 - dropout_p)`` where kept. A function of (seed, tile, batch
+        row), so forward and backward, and any grouping of the rows, draw the same mask."""
+        rows = [None] if self.batch is None else self.batch.tolist()
+        shape = (p.shape[0] // len(rows), *p.shape[1:])
+        draws = [torch.rand(shape, generator=torch.Generator(device=p.device).manual_seed(
+            _stream(self.seed, b, t)), device=p.device, dtype=p.dtype) for b in rows]
+        u = draws[0] if len(draws) == 1 else torch.cat(draws)
+        return (u >= self.dropout_p).to(p.dtype).div_(1.0 - self.dropout_p)
+
+
+def _stream(seed: int, row: int | None, t: Tile) -> int:
+    """The generator seed of one tile (of one batch row; None: of all rows at once)."""
+    return stream_seed(seed, row, t.i0, t.k0)
+
+
+def _forward(qs: Tensor, k: Tensor, v: Tensor, part: _Part) -> tuple[Tensor, Tensor]:
+    """Online softmax over the part's tiles, query block by query block. Returns out
+    ``(nb·Hkv, T·G, D)`` and the log2-sum-exp2 of the scores ``(nb·Hkv, T·G, 1)``."""
+    G = part.heads[2]
     N, TG, D = qs.shape
     floor = torch.finfo(qs.dtype).min  # a finite start: a row hidden in a whole tile gets 2^(-inf - floor) = 0
     out = torch.zeros_like(qs)
     lse = qs.new_full((N, TG, 1), float("inf"))
     kt = k.transpose(1, 2)  # (B·Hkv, D, S)
-    for (i0, i1), block in groupby(enumerate(tiles), key=lambda nt: (nt[1].i0, nt[1].i1)):
+    for (i0, i1), block in groupby(part.tiles, key=lambda t: (t.i0, t.i1)):
         rows = slice(i0 * G, i1 * G)
         q_i = qs[:, rows]  # (B·Hkv, Bq·G, D)
         m = qs.new_full((N, (i1 - i0) * G, 1), floor)  # running row max
         l = torch.zeros_like(m)  # running row sum of 2^(score - m)
         acc = torch.zeros_like(q_i)  # running unnormalised output
-        for n, t in block:
+        for t in block:
             s = torch.bmm(q_i, kt[:, :, t.k0:t.k1])  # (B·Hkv, Bq·G, Bk) scores
             if t.masked:
-                _hide(s, mask, t, heads, offset)
+                _hide(s, t, part)
             m_new = torch.maximum(m, s.amax(dim=2, keepdim=True))  # (B·Hkv, Bq·G, 1)
             p = s.sub_(m_new).exp2_()  # (B·Hkv, Bq·G, Bk), in place of the scores
             alpha = m.sub_(m_new).exp2_()  # 2^(m_old - m_new) rescales the old sum and output
             m = m_new
             l.mul_(alpha).add_(p.sum(dim=2, keepdim=True))
-            if dropout_p > 0.0:
-                p.mul_(_keep(seed, n, p, dropout_p))
+            if part.dropout_p > 0.0:
+                p.mul_(part.keep(t, p))
             acc.mul_(alpha).baddbmm_(p, v[:, t.k0:t.k1])
         # A row that sees a key has l >= 1 (its maximum contributes 2^0 = 1); a row that sees none has
         # l = 0 and acc = 0: it outputs zeros, and its lse = +inf makes its P zero in the backward.
@@ -164,26 +239,27 @@ def _forward(qs, k, v, mask, tiles, heads, offset, dropout_p, seed):
     return out, lse
 
 
-def _backward(qs, k, v, lse, do, neg_d, mask, tiles, heads, offset, dropout_p, seed):
-    """FlashAttention-2 backward from the saved lse, key block by key block.
-    Returns dq (still to be scaled), dk (still to be divided by log2(e)), dv."""
-    G = heads[2]
+def _backward(qs: Tensor, k: Tensor, v: Tensor, lse: Tensor, do: Tensor, neg_d: Tensor,
+              part: _Part) -> tuple[Tensor, Tensor, Tensor]:
+    """FlashAttention-2 backward from the saved lse over the part's tiles, key block by key
+    block. Returns dq (still to be scaled), dk (still to be divided by log2(e)), dv."""
+    G = part.heads[2]
     neg_lse = lse.neg()  # (B·Hkv, T·G, 1)
     dq, dk, dv = torch.zeros_like(qs), torch.zeros_like(k), torch.zeros_like(v)
     kt, vt = k.transpose(1, 2), v.transpose(1, 2)  # (B·Hkv, D, S)
-    by_key_block = sorted(enumerate(tiles), key=lambda nt: nt[1].k0)  # stable: n stays each tile's index
-    for (k0, k1), block in groupby(by_key_block, key=lambda nt: (nt[1].k0, nt[1].k1)):
+    by_key_block = sorted(part.tiles, key=lambda t: t.k0)
+    for (k0, k1), block in groupby(by_key_block, key=lambda t: (t.k0, t.k1)):
         k_j, kt_j, vt_j = k[:, k0:k1], kt[:, :, k0:k1], vt[:, :, k0:k1]  # (B·Hkv, Bk, D), (B·Hkv, D, Bk) x2
         dk_j, dv_j = torch.zeros_like(k_j), torch.zeros_like(k_j)  # (B·Hkv, Bk, D)
-        for n, t in block:
+        for t in block:
             rows = slice(t.i0 * G, t.i1 * G)
             q_i, do_i = qs[:, rows], do[:, rows]  # (B·Hkv, Bq·G, D)
             p = torch.baddbmm(neg_lse[:, rows], q_i, kt_j)  # (B·Hkv, Bq·G, Bk) scores - lse
             if t.masked:
-                _hide(p, mask, t, heads, offset)
+                _hide(p, t, part)
             p.exp2_()  # P, recomputed
-            if dropout_p > 0.0:
-                keep = _keep(seed, n, p, dropout_p)
+            if part.dropout_p > 0.0:
+                keep = part.keep(t, p)
                 dv_j.baddbmm_((p * keep).transpose(1, 2), do_i)
                 ds = torch.bmm(do_i, vt_j).mul_(keep).add_(neg_d[:, rows]).mul_(p)  # P * (dP - D)
             else:
@@ -195,20 +271,12 @@ def _backward(qs, k, v, lse, do, neg_d, mask, tiles, heads, offset, dropout_p, s
     return dq, dk, dv
 
 
-def _hide(s: Tensor, mask: Mask, t: Tile, heads: tuple[int, int, int], offset: int) -> None:
-    """Set the hidden entries of the score tile ``s`` (B·Hkv, Bq·G, Bk) to -inf, in place."""
-    allowed = mask.tile(offset + t.i0, offset + t.i1, t.k0, t.k1, s.device)  # (B or 1, 1, Bq, Bk)
-    B, Hkv, G = heads
-    grid = s.view(B, Hkv, t.i1 - t.i0, G, t.k1 - t.k0)  # (B, Hkv, Bq, G, Bk)
+def _hide(s: Tensor, t: Tile, part: _Part) -> None:
+    """Set the hidden entries of the score tile ``s`` (nb·Hkv, Bq·G, Bk) to -inf, in place."""
+    allowed = part.mask.tile(part.offset + t.i0, part.offset + t.i1, t.k0, t.k1, s.device)  # (nb or 1, 1, Bq, Bk)
+    nb, Hkv, G = part.heads
+    grid = s.view(nb, Hkv, t.i1 - t.i0, G, t.k1 - t.k0)  # (nb, Hkv, Bq, G, Bk)
     grid.masked_fill_(~allowed[:, :, :, None, :], float("-inf"))
-
-
-def _keep(seed: int, n: int, p: Tensor, dropout_p: float) -> Tensor:
-    """Tile ``n``'s dropout multiplier: 0 where dropped, ``1 / (1 - dropout_p)`` where kept.
-    Deterministic in (seed, n), so forward and backward draw the same mask."""
-    gen = torch.Generator(device=p.device).manual_seed(seed + n)
-    u = torch.rand(p.shape, generator=gen, device=p.device, dtype=p.dtype)
-    return (u >= dropout_p).to(p.dtype).div_(1.0 - dropout_p)
 
 
 def _group(x: Tensor, Hkv: int) -> Tensor:

@@ -15,8 +15,10 @@ recomputes the weights from that log-sum-exp: ``delta = rowsum(dO * O)`` first, 
 
 Masks (:mod:`selfattn.masks`): causal aligned bottom-right (query i at key position
 ``S - T + i``), sliding window, key padding and document ids (per-key loads), GQA/MQA.
-Tiles the causal or window mask hides entirely are skipped by the loop bounds; tiles it
-shows entirely run without a mask. A row that sees nothing outputs zeros, with zero
+Each program walks only the tiles the mask's block map lists for its batch row
+(:meth:`Mask.blocks`, FlexAttention's ``kv_num_blocks``/``kv_indices`` idea): partial tiles
+with the mask, full tiles without it; hidden tiles (causality, window, padding, other
+documents) are never loaded. A row that sees nothing outputs zeros, with zero
 gradients. Head dims 1..128 (padded inside the kernel to a power of two >= 16); float16
 and bfloat16 are multiplied as they are and accumulated in float32, softmax statistics in
 float32; float32 inputs use IEEE float32 dot products (no TF32: pick float32 for
@@ -42,16 +44,18 @@ except ImportError as e:  # the optional extra is missing
 from selfattn.backends.triton_kernels import (
     INTERPRET,
     INTERPRET_BLOCK,
+    MAP,
     bwd_delta_kernel,
     bwd_dkdv_kernel,
     bwd_dq_kernel,
     fwd_kernel,
 )
-from selfattn.masks import Mask
+from selfattn.masks import FULL, PARTIAL, BlockMap, Mask
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 128
 LOG2E = 1.4426950408889634
+MAP_BLOCK = INTERPRET_BLOCK if INTERPRET else MAP  # the block map's tile for the kernels
 RETURNS_WEIGHTS = False
 
 
@@ -105,8 +109,8 @@ def attention_op(q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Optional[Ten
         return out, lse
     args = _Launch(q, k, key_padding_mask, doc_ids, scale, causal, window)
     fwd_kernel[lambda meta: (triton.cdiv(T, meta["BLOCK_M"]), B * H)](
-        q, k, v, out, lse, args.kpm, args.doc, *q.stride(), *k.stride(), *v.stride(), *out.stride(),
-        *args.mask_strides, *args.sizes, **args.constants)
+        q, k, v, out, lse, args.kpm, args.doc, *args.kv[0], *q.stride(), *k.stride(), *v.stride(), *out.stride(),
+        *args.mask_strides, *args.kv[1], *args.sizes, **args.constants)
     return out, lse
 
 
@@ -133,11 +137,12 @@ def attention_backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Te
         out, dout, delta, *out.stride(), *dout.stride(), H, T, D=D, BLOCK_D=args.constants["BLOCK_D"],
         BLOCK_M=block)
     bwd_dq_kernel[lambda meta: (triton.cdiv(T, meta["BLOCK_M"]), B * H)](
-        q, k, v, dout, dq, lse, delta, args.kpm, args.doc, *q.stride(), *k.stride(), *v.stride(),
-        *dout.stride(), *dq.stride(), *args.mask_strides, *args.sizes_bwd, **args.constants)
+        q, k, v, dout, dq, lse, delta, args.kpm, args.doc, *args.kv[0], *q.stride(), *k.stride(), *v.stride(),
+        *dout.stride(), *dq.stride(), *args.mask_strides, *args.kv[1], *args.sizes_bwd, **args.constants)
     bwd_dkdv_kernel[lambda meta: (triton.cdiv(S, meta["BLOCK_N"]), B * Hkv)](
-        q, k, v, dout, dk, dv, lse, delta, args.kpm, args.doc, *q.stride(), *k.stride(), *v.stride(),
-        *dout.stride(), *dk.stride(), *dv.stride(), *args.mask_strides, *args.sizes_bwd, **args.constants)
+        q, k, v, dout, dk, dv, lse, delta, args.kpm, args.doc, *args.q[0], *q.stride(), *k.stride(), *v.stride(),
+        *dout.stride(), *dk.stride(), *dv.stride(), *args.mask_strides, *args.q[1], *args.sizes_bwd,
+        **args.constants)
     return dq, dk, dv
 
 
@@ -159,15 +164,33 @@ class _Launch:
         self.mask_strides = (*(key_padding_mask.stride() if key_padding_mask is not None else (0, 0)),
                              *(doc_ids.stride() if doc_ids is not None else (0, 0)))
         W = 0 if window is None else window
+        self.kv, self.q = _block_lists(Mask(causal, window, key_padding_mask, doc_ids), B, T, S, q.device)
         buckets = (triton.next_power_of_2(T), triton.next_power_of_2(S))  # autotuning keys
         self.sizes = (H, H // Hkv, T, S, W, scale * LOG2E, *buckets)
         self.sizes_bwd = (H, H // Hkv, T, S, W, scale, scale * LOG2E, *buckets)
         self.constants = dict(
             CAUSAL=causal, HAS_WINDOW=window is not None, HAS_KPM=key_padding_mask is not None,
-            HAS_DOC=doc_ids is not None, PER_TOKEN=key_padding_mask is not None or doc_ids is not None,
-            D=D, BLOCK_D=max(16, triton.next_power_of_2(D)),
+            HAS_DOC=doc_ids is not None, D=D, BLOCK_D=max(16, triton.next_power_of_2(D)), MAP_BLOCK=MAP_BLOCK,
             # input_precision matters only for float32 operands; half types keep Triton's default.
             DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
+
+
+def _block_lists(mask: Mask, B: int, T: int, S: int, device) -> tuple[tuple, tuple]:
+    """The kernels' block lists: (tensors, strides) per key tile for the query-tile kernels, and
+    per query tile for the dK/dV kernel. A map tile that is FULL but reaches past T or S (the
+    ragged last row or column) is walked as PARTIAL, so mask-free tiles never need bounds."""
+    blocks = mask.blocks(T, S, MAP_BLOCK, MAP_BLOCK)
+    kind = blocks.kind.to(device)  # (B or 1, nq, nk)
+    if T % MAP_BLOCK:
+        kind[:, -1][kind[:, -1] == FULL] = PARTIAL
+    if S % MAP_BLOCK:
+        kind[:, :, -1][kind[:, :, -1] == FULL] = PARTIAL
+    out = []
+    for lists in (BlockMap(kind, MAP_BLOCK, MAP_BLOCK), BlockMap(kind, MAP_BLOCK, MAP_BLOCK).transposed()):
+        (num, idx), (full_num, full_idx) = lists.lists(PARTIAL), lists.lists(FULL)
+        batch = (lambda t: 0 if t.shape[0] == 1 else t.stride(0))  # one map for every batch row: stride 0
+        out.append(((num, idx, full_num, full_idx), (batch(num), num.stride(1), batch(idx), idx.stride(1))))
+    return out[0], out[1]
 
 
 def _setup_context(ctx, inputs, output):

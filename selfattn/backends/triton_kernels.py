@@ -13,8 +13,12 @@ Conventions inside the kernels:
   ``+inf``, so the backward's ``exp2(s - lse)`` is 0 there (never NaN, and no finite
   sentinel that a fully masked row would turn into weight 1);
 - the head dim D is padded to BLOCK_D (a power of two >= 16) by masked loads;
-- each program visits only the tiles its mask can show, in three ranges: the partly
-  hidden tiles at both ends (mask applied) and the fully visible middle (no mask).
+- each program visits only the tiles its block lists name (the mask's block map,
+  :meth:`selfattn.masks.Mask.blocks`, at MAP x MAP tiles, per batch row): the PARTIAL ones
+  with the mask applied, the FULL ones without; HIDDEN tiles are never loaded. The kernel's
+  own tiles (BLOCK_M x BLOCK_N, chosen by the autotuner) divide MAP, so each map tile is a
+  few kernel tiles. Forward and dQ walk key tiles per query tile (lists ``kv``), dK/dV walk
+  query tiles per key tile (lists ``q``, the transpose).
 """
 import torch
 import triton
@@ -34,7 +38,9 @@ FWD_TILES = [(128, 64, 4, 3), (128, 128, 8, 3), (64, 64, 4, 3)]
 DQ_TILES = [(128, 32, 4, 3), (64, 64, 4, 2)]
 DKDV_TILES = [(32, 128, 4, 3), (64, 64, 4, 2)]
 FLOAT32_TILES = [(32, 32, 4, 2)]
-TUNING_KEY = ["D", "CAUSAL", "HAS_WINDOW", "PER_TOKEN", "T_BUCKET", "S_BUCKET"]
+TUNING_KEY = ["D", "CAUSAL", "HAS_WINDOW", "HAS_KPM", "HAS_DOC", "T_BUCKET", "S_BUCKET"]
+MAP = 128  # the block map's tile (INTERPRET_BLOCK under the interpreter): every BLOCK_M and BLOCK_N divides it
+assert all(MAP % m == 0 and MAP % n == 0 for m, n, _, _ in FWD_TILES + DQ_TILES + DKDV_TILES + FLOAT32_TILES)
 
 
 def _configs(tiles):
@@ -68,52 +74,6 @@ def _visible(p, n, KPM, DOC, doc_q, skpm_s, sdoc_s, S, W,
     if HAS_DOC:
         ok = ok & (tl.load(DOC + n * sdoc_s, mask=n < S, other=0) == doc_q)
     return ok
-
-
-@triton.jit
-def _key_ranges(p_lo, p_hi, S, W, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
-                PER_TOKEN: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Keys that queries at positions [p_lo, p_hi] may see: [lo, hi), split as
-    [lo, full_lo) partly hidden, [full_lo, full_hi) visible to every query, [full_hi, hi)
-    partly hidden. All bounds are multiples of BLOCK_N except where they equal hi."""
-    lo = 0
-    hi = S
-    full_hi = S // BLOCK_N * BLOCK_N  # a ragged last tile needs the mask
-    if CAUSAL:
-        hi = tl.minimum(hi, p_hi + 1)
-        full_hi = tl.minimum(full_hi, (p_lo + 1) // BLOCK_N * BLOCK_N)
-    full_lo = lo
-    if HAS_WINDOW:
-        lo = tl.maximum(p_lo - W + 1, 0) // BLOCK_N * BLOCK_N
-        full_lo = tl.cdiv(tl.maximum(p_hi - W + 1, 0), BLOCK_N) * BLOCK_N
-    full_lo = tl.minimum(full_lo, hi)
-    if PER_TOKEN:
-        full_hi = full_lo  # padding and documents can hide any key: every tile is masked
-    full_hi = tl.maximum(full_hi, full_lo)
-    return lo, full_lo, full_hi, hi
-
-
-@triton.jit
-def _query_ranges(n0, n1, T, OFF, W, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
-                  PER_TOKEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Queries (indices i, positions OFF + i) that may see keys [n0, n1): the transpose of
-    :func:`_key_ranges`, split the same way into masked ends and a mask-free middle."""
-    lo = 0
-    hi = T
-    full_lo = 0
-    full_hi = T // BLOCK_M * BLOCK_M  # a ragged last tile needs the mask
-    if CAUSAL:  # the first key is visible from position n0 on; the last one from n1 - 1
-        lo = tl.maximum(n0 - OFF, 0) // BLOCK_M * BLOCK_M
-        full_lo = tl.cdiv(tl.maximum(n1 - 1 - OFF, 0), BLOCK_M) * BLOCK_M
-    if HAS_WINDOW:  # the last key leaves the window after position n1 - 2 + W, the first after n0 - 1 + W
-        hi = tl.minimum(hi, tl.maximum(n1 - 1 + W - OFF, 0))
-        full_hi = tl.minimum(full_hi, tl.maximum(n0 + W - OFF, 0) // BLOCK_M * BLOCK_M)
-    full_lo = tl.minimum(full_lo, hi)
-    if PER_TOKEN:
-        full_hi = full_lo
-    full_hi = tl.where(n1 - n0 == BLOCK_N, full_hi, full_lo)  # a ragged key tile needs the mask
-    full_hi = tl.maximum(full_hi, full_lo)
-    return lo, full_lo, full_hi, hi
 
 
 @triton.jit
@@ -158,14 +118,14 @@ def _fwd_tiles(acc, l_i, m_i, q, p, doc_q, K, V, KPM, DOC, sk_s, sk_d, sv_s, sv_
 
 
 @triton.jit
-def _query_tile(Q, K, V, KPM, DOC, sq_b, sq_h, sq_t, sq_d, sk_b, sk_h, sv_b, sv_h, skpm_b, sdoc_b, sdoc_s,
-                H, GROUP, T, S, W, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_DOC: tl.constexpr,
-                PER_TOKEN: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-                BLOCK_N: tl.constexpr):
+def _query_tile(Q, K, V, KPM, DOC, NUM, IDX, FULL_NUM, FULL_IDX, sq_b, sq_h, sq_t, sq_d, sk_b, sk_h, sv_b, sv_h,
+                skpm_b, sdoc_b, sdoc_s, snum_b, snum_r, sidx_b, sidx_r, H, GROUP, T, S, HAS_DOC: tl.constexpr,
+                D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, MAP_BLOCK: tl.constexpr):
     """What the two query-tile kernels (forward and dQ) set up alike: this program's batch
     row b, head h and query rows i (positions p on the key axis), the q tile, K/V/KPM/DOC
-    moved to the batch row and key/value head, the queries' document ids, and the key-tile
-    ranges of :func:`_key_ranges`."""
+    moved to the batch row and key/value head, the queries' document ids, and the block
+    lists (partial, full) of the map row holding these queries."""
+    tl.static_assert(MAP_BLOCK % BLOCK_M == 0, "query tiles must divide the block map's tiles")
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     b = (bh // H).to(tl.int64)
@@ -180,38 +140,38 @@ def _query_tile(Q, K, V, KPM, DOC, sq_b, sq_h, sq_t, sq_d, sk_b, sk_h, sv_b, sv_
     doc_q = tl.zeros([BLOCK_M], dtype=tl.int32)
     if HAS_DOC:
         doc_q = tl.load(DOC + p * sdoc_s, mask=i < T, other=0)
-    p_lo = S - T + pid_m * BLOCK_M
-    p_hi = S - T + tl.minimum(pid_m * BLOCK_M + BLOCK_M, T) - 1
-    lo, full_lo, full_hi, hi = _key_ranges(p_lo, p_hi, S, W, CAUSAL, HAS_WINDOW, PER_TOKEN, BLOCK_N)
+    row = pid_m * BLOCK_M // MAP_BLOCK  # the map row of these queries
+    num, idx = b * snum_b + row * snum_r, b * sidx_b + row * sidx_r
     return (b, h, i, p, offs_d, q_mask, q, K + b * sk_b + hk * sk_h, V + b * sv_b + hk * sv_h, KPM + b * skpm_b, DOC,
-            doc_q, lo, full_lo, full_hi, hi)
+            doc_q, NUM + num, IDX + idx, FULL_NUM + num, FULL_IDX + idx)
 
 
 @_autotune(FWD_TILES)
 @triton.jit
-def fwd_kernel(Q, K, V, O, LSE, KPM, DOC,
+def fwd_kernel(Q, K, V, O, LSE, KPM, DOC, NUM, IDX, FULL_NUM, FULL_IDX,
                sq_b, sq_h, sq_t, sq_d, sk_b, sk_h, sk_s, sk_d, sv_b, sv_h, sv_s, sv_d,
-               so_b, so_h, so_t, so_d, skpm_b, skpm_s, sdoc_b, sdoc_s,
+               so_b, so_h, so_t, so_d, skpm_b, skpm_s, sdoc_b, sdoc_s, snum_b, snum_r, sidx_b, sidx_r,
                H, GROUP, T, S, W, qk_scale, T_BUCKET, S_BUCKET,
                CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_KPM: tl.constexpr, HAS_DOC: tl.constexpr,
-               PER_TOKEN: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+               D: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr, MAP_BLOCK: tl.constexpr,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """One program per (query tile, batch * head): O and LSE for BLOCK_M queries."""
-    b, h, i, p, offs_d, q_mask, q, K, V, KPM, DOC, doc_q, lo, full_lo, full_hi, hi = _query_tile(
-        Q, K, V, KPM, DOC, sq_b, sq_h, sq_t, sq_d, sk_b, sk_h, sv_b, sv_h, skpm_b, sdoc_b, sdoc_s, H, GROUP, T, S, W,
-        CAUSAL, HAS_WINDOW, HAS_DOC, PER_TOKEN, D, BLOCK_D, BLOCK_M, BLOCK_N)
+    b, h, i, p, offs_d, q_mask, q, K, V, KPM, DOC, doc_q, NUM, IDX, FULL_NUM, FULL_IDX = _query_tile(
+        Q, K, V, KPM, DOC, NUM, IDX, FULL_NUM, FULL_IDX, sq_b, sq_h, sq_t, sq_d, sk_b, sk_h, sv_b, sv_h, skpm_b,
+        sdoc_b, sdoc_s, snum_b, snum_r, sidx_b, sidx_r, H, GROUP, T, S, HAS_DOC, D, BLOCK_D, BLOCK_M, MAP_BLOCK)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, p, doc_q, K, V, KPM, DOC, sk_s, sk_d, sv_s, sv_d, skpm_s,
-                               sdoc_s, S, W, qk_scale, lo, full_lo, True, CAUSAL, HAS_WINDOW, HAS_KPM,
-                               HAS_DOC, D, BLOCK_N, BLOCK_D, DOT_PRECISION)
-    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, p, doc_q, K, V, KPM, DOC, sk_s, sk_d, sv_s, sv_d, skpm_s,
-                               sdoc_s, S, W, qk_scale, full_lo, full_hi, False, CAUSAL, HAS_WINDOW, HAS_KPM,
-                               HAS_DOC, D, BLOCK_N, BLOCK_D, DOT_PRECISION)
-    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, p, doc_q, K, V, KPM, DOC, sk_s, sk_d, sv_s, sv_d, skpm_s,
-                               sdoc_s, S, W, qk_scale, full_hi, hi, True, CAUSAL, HAS_WINDOW, HAS_KPM,
-                               HAS_DOC, D, BLOCK_N, BLOCK_D, DOT_PRECISION)
+    for jj in range(0, tl.load(NUM)):  # the partial tiles: masked
+        n0 = tl.load(IDX + jj) * MAP_BLOCK
+        acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, p, doc_q, K, V, KPM, DOC, sk_s, sk_d, sv_s, sv_d, skpm_s,
+                                   sdoc_s, S, W, qk_scale, n0, n0 + MAP_BLOCK, True, CAUSAL, HAS_WINDOW, HAS_KPM,
+                                   HAS_DOC, D, BLOCK_N, BLOCK_D, DOT_PRECISION)
+    for jj in range(0, tl.load(FULL_NUM)):  # the full tiles: no mask
+        n0 = tl.load(FULL_IDX + jj) * MAP_BLOCK
+        acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, p, doc_q, K, V, KPM, DOC, sk_s, sk_d, sv_s, sv_d, skpm_s,
+                                   sdoc_s, S, W, qk_scale, n0, n0 + MAP_BLOCK, False, CAUSAL, HAS_WINDOW, HAS_KPM,
+                                   HAS_DOC, D, BLOCK_N, BLOCK_D, DOT_PRECISION)
 
     empty = l_i == 0.0  # the row saw no key: output 0, lse +inf
     l_safe = tl.where(empty, 1.0, l_i)
@@ -257,32 +217,33 @@ def _dq_tiles(dq, q, do, lse, delta, p, doc_q, K, V, KPM, DOC, sk_s, sk_d, sv_s,
 
 @_autotune(DQ_TILES)
 @triton.jit
-def bwd_dq_kernel(Q, K, V, DO, DQ, LSE, DELTA, KPM, DOC,
+def bwd_dq_kernel(Q, K, V, DO, DQ, LSE, DELTA, KPM, DOC, NUM, IDX, FULL_NUM, FULL_IDX,
                   sq_b, sq_h, sq_t, sq_d, sk_b, sk_h, sk_s, sk_d, sv_b, sv_h, sv_s, sv_d,
                   sdo_b, sdo_h, sdo_t, sdo_d, sdq_b, sdq_h, sdq_t, sdq_d, skpm_b, skpm_s, sdoc_b, sdoc_s,
-                  H, GROUP, T, S, W, scale, qk_scale, T_BUCKET, S_BUCKET,
+                  snum_b, snum_r, sidx_b, sidx_r, H, GROUP, T, S, W, scale, qk_scale, T_BUCKET, S_BUCKET,
                   CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_KPM: tl.constexpr, HAS_DOC: tl.constexpr,
-                  PER_TOKEN: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                  D: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr, MAP_BLOCK: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """One program per (query tile, batch * head): dQ for BLOCK_M queries over their key tiles."""
-    b, h, i, p, offs_d, q_mask, q, K, V, KPM, DOC, doc_q, lo, full_lo, full_hi, hi = _query_tile(
-        Q, K, V, KPM, DOC, sq_b, sq_h, sq_t, sq_d, sk_b, sk_h, sv_b, sv_h, skpm_b, sdoc_b, sdoc_s, H, GROUP, T, S, W,
-        CAUSAL, HAS_WINDOW, HAS_DOC, PER_TOKEN, D, BLOCK_D, BLOCK_M, BLOCK_N)
+    b, h, i, p, offs_d, q_mask, q, K, V, KPM, DOC, doc_q, NUM, IDX, FULL_NUM, FULL_IDX = _query_tile(
+        Q, K, V, KPM, DOC, NUM, IDX, FULL_NUM, FULL_IDX, sq_b, sq_h, sq_t, sq_d, sk_b, sk_h, sv_b, sv_h, skpm_b,
+        sdoc_b, sdoc_s, snum_b, snum_r, sidx_b, sidx_r, H, GROUP, T, S, HAS_DOC, D, BLOCK_D, BLOCK_M, MAP_BLOCK)
     do = tl.load(DO + b * sdo_b + h * sdo_h + i[:, None] * sdo_t + offs_d[None, :] * sdo_d, mask=q_mask,
                  other=0.0)
     row = (b * H + h) * T + i  # this head's rows of the (B, H, T) statistics
     lse = tl.load(LSE + row, mask=i < T, other=0.0)
     delta = tl.load(DELTA + row, mask=i < T, other=0.0)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    dq = _dq_tiles(dq, q, do, lse, delta, p, doc_q, K, V, KPM, DOC, sk_s, sk_d, sv_s, sv_d, skpm_s, sdoc_s,
-                   S, W, qk_scale, lo, full_lo, True, CAUSAL, HAS_WINDOW, HAS_KPM, HAS_DOC, D, BLOCK_N,
-                   BLOCK_D, DOT_PRECISION)
-    dq = _dq_tiles(dq, q, do, lse, delta, p, doc_q, K, V, KPM, DOC, sk_s, sk_d, sv_s, sv_d, skpm_s, sdoc_s,
-                   S, W, qk_scale, full_lo, full_hi, False, CAUSAL, HAS_WINDOW, HAS_KPM, HAS_DOC, D, BLOCK_N,
-                   BLOCK_D, DOT_PRECISION)
-    dq = _dq_tiles(dq, q, do, lse, delta, p, doc_q, K, V, KPM, DOC, sk_s, sk_d, sv_s, sv_d, skpm_s, sdoc_s,
-                   S, W, qk_scale, full_hi, hi, True, CAUSAL, HAS_WINDOW, HAS_KPM, HAS_DOC, D, BLOCK_N,
-                   BLOCK_D, DOT_PRECISION)
+    for jj in range(0, tl.load(NUM)):
+        n0 = tl.load(IDX + jj) * MAP_BLOCK
+        dq = _dq_tiles(dq, q, do, lse, delta, p, doc_q, K, V, KPM, DOC, sk_s, sk_d, sv_s, sv_d, skpm_s, sdoc_s,
+                       S, W, qk_scale, n0, n0 + MAP_BLOCK, True, CAUSAL, HAS_WINDOW, HAS_KPM, HAS_DOC, D, BLOCK_N,
+                       BLOCK_D, DOT_PRECISION)
+    for jj in range(0, tl.load(FULL_NUM)):
+        n0 = tl.load(FULL_IDX + jj) * MAP_BLOCK
+        dq = _dq_tiles(dq, q, do, lse, delta, p, doc_q, K, V, KPM, DOC, sk_s, sk_d, sv_s, sv_d, skpm_s, sdoc_s,
+                       S, W, qk_scale, n0, n0 + MAP_BLOCK, False, CAUSAL, HAS_WINDOW, HAS_KPM, HAS_DOC, D, BLOCK_N,
+                       BLOCK_D, DOT_PRECISION)
     dq = dq * scale  # d(scale * q . k)/dq
     tl.store(DQ + b * sdq_b + h * sdq_h + i[:, None] * sdq_t + offs_d[None, :] * sdq_d, dq.to(DQ.dtype.element_ty),
              mask=q_mask)
@@ -324,34 +285,38 @@ def _dkdv_tiles(dk, dv, k, v, n, Q, DO, LSE, DELTA, KPM, DOC, sq_t, sq_d, sdo_t,
 
 @_autotune(DKDV_TILES)
 @triton.jit
-def bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA, KPM, DOC,
+def bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA, KPM, DOC, NUM, IDX, FULL_NUM, FULL_IDX,
                     sq_b, sq_h, sq_t, sq_d, sk_b, sk_h, sk_s, sk_d, sv_b, sv_h, sv_s, sv_d,
                     sdo_b, sdo_h, sdo_t, sdo_d, sdk_b, sdk_h, sdk_s, sdk_d, sdv_b, sdv_h, sdv_s, sdv_d,
-                    skpm_b, skpm_s, sdoc_b, sdoc_s,
+                    skpm_b, skpm_s, sdoc_b, sdoc_s, snum_b, snum_c, sidx_b, sidx_c,
                     H, GROUP, T, S, W, scale, qk_scale, T_BUCKET, S_BUCKET,
                     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_KPM: tl.constexpr, HAS_DOC: tl.constexpr,
-                    PER_TOKEN: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                    D: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr, MAP_BLOCK: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """One program per (key tile, batch * kv head): dK and dV of BLOCK_N keys, summed over
-    the GROUP query heads that share them (GQA without copies or atomics)."""
+    the GROUP query heads that share them (GQA without copies or atomics), over the query
+    tiles of the transposed block lists."""
+    tl.static_assert(MAP_BLOCK % BLOCK_N == 0, "key tiles must divide the block map's tiles")
     pid_n = tl.program_id(0)
     bhk = tl.program_id(1)
     Hkv = H // GROUP
     b = (bhk // Hkv).to(tl.int64)
     hk = (bhk % Hkv).to(tl.int64)
-    n0 = pid_n * BLOCK_N
-    n1 = tl.minimum(n0 + BLOCK_N, S)
-    n = n0 + tl.arange(0, BLOCK_N)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     kv_mask = (n[:, None] < S) & (offs_d[None, :] < D)
     k = tl.load(K + b * sk_b + hk * sk_h + n[:, None] * sk_s + offs_d[None, :] * sk_d, mask=kv_mask, other=0.0)
     v = tl.load(V + b * sv_b + hk * sv_h + n[:, None] * sv_s + offs_d[None, :] * sv_d, mask=kv_mask, other=0.0)
     KPM += b * skpm_b
     DOC += b * sdoc_b
+    col = pid_n * BLOCK_N // MAP_BLOCK  # the map column of these keys
+    NUM += b * snum_b + col * snum_c
+    IDX += b * sidx_b + col * sidx_c
+    FULL_NUM += b * snum_b + col * snum_c
+    FULL_IDX += b * sidx_b + col * sidx_c
 
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    lo, full_lo, full_hi, hi = _query_ranges(n0, n1, T, S - T, W, CAUSAL, HAS_WINDOW, PER_TOKEN, BLOCK_M, BLOCK_N)
     for g in range(0, GROUP):
         h = hk * GROUP + g
         bh = b * H + h
@@ -359,15 +324,16 @@ def bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA, KPM, DOC,
         DOh = DO + b * sdo_b + h * sdo_h
         LSEh = LSE + bh * T
         DELTAh = DELTA + bh * T
-        dk, dv = _dkdv_tiles(dk, dv, k, v, n, Qh, DOh, LSEh, DELTAh, KPM, DOC, sq_t, sq_d,
-                             sdo_t, sdo_d, skpm_s, sdoc_s, T, S, W, qk_scale, lo, full_lo, True, CAUSAL, HAS_WINDOW,
-                             HAS_KPM, HAS_DOC, D, BLOCK_M, BLOCK_D, DOT_PRECISION)
-        dk, dv = _dkdv_tiles(dk, dv, k, v, n, Qh, DOh, LSEh, DELTAh, KPM, DOC, sq_t, sq_d,
-                             sdo_t, sdo_d, skpm_s, sdoc_s, T, S, W, qk_scale, full_lo, full_hi, False, CAUSAL,
-                             HAS_WINDOW, HAS_KPM, HAS_DOC, D, BLOCK_M, BLOCK_D, DOT_PRECISION)
-        dk, dv = _dkdv_tiles(dk, dv, k, v, n, Qh, DOh, LSEh, DELTAh, KPM, DOC, sq_t, sq_d,
-                             sdo_t, sdo_d, skpm_s, sdoc_s, T, S, W, qk_scale, full_hi, hi, True, CAUSAL, HAS_WINDOW,
-                             HAS_KPM, HAS_DOC, D, BLOCK_M, BLOCK_D, DOT_PRECISION)
+        for jj in range(0, tl.load(NUM)):
+            m0 = tl.load(IDX + jj) * MAP_BLOCK
+            dk, dv = _dkdv_tiles(dk, dv, k, v, n, Qh, DOh, LSEh, DELTAh, KPM, DOC, sq_t, sq_d, sdo_t, sdo_d, skpm_s,
+                                 sdoc_s, T, S, W, qk_scale, m0, m0 + MAP_BLOCK, True, CAUSAL, HAS_WINDOW, HAS_KPM,
+                                 HAS_DOC, D, BLOCK_M, BLOCK_D, DOT_PRECISION)
+        for jj in range(0, tl.load(FULL_NUM)):
+            m0 = tl.load(FULL_IDX + jj) * MAP_BLOCK
+            dk, dv = _dkdv_tiles(dk, dv, k, v, n, Qh, DOh, LSEh, DELTAh, KPM, DOC, sq_t, sq_d, sdo_t, sdo_d, skpm_s,
+                                 sdoc_s, T, S, W, qk_scale, m0, m0 + MAP_BLOCK, False, CAUSAL, HAS_WINDOW, HAS_KPM,
+                                 HAS_DOC, D, BLOCK_M, BLOCK_D, DOT_PRECISION)
     dk = dk * scale
     tl.store(DK + b * sdk_b + hk * sdk_h + n[:, None] * sdk_s + offs_d[None, :] * sdk_d, dk.to(DK.dtype.element_ty),
              mask=kv_mask)

@@ -39,8 +39,8 @@ class Impl:
             why = backends.availability(name, device)
             if why:
                 return why
-            probe = torch.zeros(1, n_head, 8, head_dim, device=device, dtype=dtype)  # (B, H, T, D)
-            return backends.load(name).unsupported(probe, probe, probe, Mask(), 0.0)
+            probe = torch.zeros(1, n_head, 8, head_dim, device=device, dtype=dtype, requires_grad=True)  # (B, H, T, D)
+            return backends.load(name).unsupported(probe, probe, probe, Mask(), 0.0)  # the suite times backward too
         if self.name.startswith("hf-"):
             try:
                 import transformers.models.gpt2.modeling_gpt2  # noqa: F401

@@ -16,11 +16,12 @@ import sys
 from pathlib import Path
 
 from selfattn import _validate
-from selfattn.bench import GPU_ONLY, SUITES, attention, common, decode, train
+from selfattn.bench import GPU_ONLY, SUITES, attention, common, decode, masks, train
 
 HELP = {"attention": "attention layers: our backends vs the peers over a T sweep",
         "decode": "generation tokens/s: KV cache vs no cache vs transformers' generate",
         "train": "training-step tokens/s: our GPT vs a nanoGPT-equivalent model",
+        "masks": "windows, documents, padding: every backend and auto's choice vs dense SDPA and FlexAttention",
         "triton": "the Triton kernel on a CUDA GPU: parity at real sizes, TFLOP/s vs SDPA flash and cuDNN",
         "all": "every suite, one after the other (triton only on a CUDA device)"}
 
@@ -115,6 +116,24 @@ def _train_flags(p: argparse.ArgumentParser) -> None:
                    help=f"tokens per row (default {full.seq_len}, --quick {quick.seq_len})")
 
 
+def _masks_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--cells", nargs="+", type=_cell, default=None, metavar="MASK:T",
+                   help=f"cells to run, e.g. docs-16:16384 (masks: {', '.join(masks.MASKS)}; default: all at "
+                        f"T = 4096 and 16384)")
+    p.add_argument("--impls", nargs="+", choices=masks.IMPLS, default=None, help="implementations (default: all)")
+    p.add_argument("--dtypes", "--dtype", nargs="+", choices=tuple(common.DTYPES), default=None,
+                   help="dtypes (default: float32, and bfloat16 where the hardware supports it)")
+    p.add_argument("--max-call-s", type=float, default=None,
+                   help=f"skip an implementation whose first call took longer (default {masks.FULL.max_call_s:g})")
+
+
+def _cell(text: str) -> tuple[str, int]:
+    name, _, T = text.partition(":")
+    if name not in masks.MASKS or not T.isdigit():
+        raise argparse.ArgumentTypeError(f"expected MASK:T with MASK in {masks.MASKS}, got {text!r}")
+    return name, int(T)
+
+
 def _triton_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--budget-s", type=float, default=None,
                    help="start no new benchmark after this many seconds (default 480)")
@@ -123,4 +142,4 @@ def _triton_flags(p: argparse.ArgumentParser) -> None:
 
 
 SUITE_FLAGS = {"attention": _attention_flags, "decode": _decode_flags, "train": _train_flags,
-               "triton": _triton_flags}
+               "masks": _masks_flags, "triton": _triton_flags}

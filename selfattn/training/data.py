@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from selfattn import _files
+from selfattn._seeds import stream_seed
 from selfattn.training.tokenizers import BPETokenizer, ByteTokenizer, from_spec
 
 
@@ -108,12 +109,6 @@ def batch(split: Tensor, *, seed: int, step: int, batch_size: int, block_size: i
     starts = torch.randint(0, len(split) - block_size, (batch_size,), generator=g)[part * rows:(part + 1) * rows]
     chunk = torch.stack([split[s:s + block_size + 1] for s in starts.tolist()]).long()  # (rows, block_size + 1)
     return chunk[:, :-1], chunk[:, 1:]
-
-
-def stream_seed(*parts) -> int:
-    """A 63-bit seed derived from any tuple of ints and strings (independent streams per tuple)."""
-    digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 1
 
 
 def _read_text(path: Path) -> str:

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from selfattn import _files, _plot, _validate
+from selfattn._seeds import stream_seed
 from selfattn.model import GPT, GPTConfig
 from selfattn.training import checkpoint, data, parallel
 
@@ -237,7 +238,7 @@ class _Run:
         cfg, world = self.cfg, self.world
         for group in self.optimizer.param_groups:
             group["lr"] = lr_at(step, cfg)
-        torch.manual_seed(data.stream_seed(cfg.seed, "dropout", self.rank, step))
+        torch.manual_seed(stream_seed(cfg.seed, "dropout", self.rank, step))
         loss_sum = torch.zeros((), device=self.device)
         for micro in range(cfg.grad_accum):
             x, y = data.batch(self.corpus.train, seed=cfg.seed, step=step, batch_size=cfg.batch_size,

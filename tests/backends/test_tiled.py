@@ -11,6 +11,7 @@ import torch
 from selfattn import Mask, attention
 from selfattn.backends import math, tiled
 from selfattn.backends._common import repeat_kv
+from selfattn.masks import FULL, HIDDEN, PARTIAL, BlockMap
 
 from helpers.parity import F64, HEADS, MASK_KINDS, assert_close_all, make_case
 
@@ -38,6 +39,26 @@ def test_custom_backward_matches_math_float64(T, S, heads, mask_kind, block_q, b
     want = math.run(q, k, v, _mask(kwargs), scale=8 ** -0.5)
     want = (want.detach(), *torch.autograd.grad(want, (q, k, v), grad))
     assert_close_all(_tiled_grads(q, k, v, grad, _mask(kwargs), block_q=block_q, block_k=block_k), want, **F64)
+
+
+@pytest.mark.parametrize("wrong", [HIDDEN, FULL])
+def test_a_block_map_wrong_in_one_partial_tile_fails_the_parity_check(monkeypatch, wrong):
+    """Negative control: the parity check catches one PARTIAL tile called HIDDEN or FULL."""
+    (q, k, v, grad), kwargs = make_case(4, 2, 37, 37, 8, "all")
+    mask = _mask(kwargs)
+    want = math.run(q, k, v, mask, scale=8 ** -0.5)
+    want = (want.detach(), *torch.autograd.grad(want, (q, k, v), grad))
+    assert_close_all(_tiled_grads(q, k, v, grad, mask, block_q=8, block_k=8), want, **F64)  # the true map passes
+    real = Mask.blocks
+
+    def one_tile_wrong(self, *args):
+        blocks = real(self, *args)
+        kind = blocks.kind.clone()
+        kind.view(-1)[(kind.view(-1) == PARTIAL).nonzero()[len(kind) // 2]] = wrong
+        return BlockMap(kind, blocks.block_q, blocks.block_k)
+    monkeypatch.setattr(Mask, "blocks", one_tile_wrong)
+    with pytest.raises(AssertionError, match="max error"):
+        assert_close_all(_tiled_grads(q, k, v, grad, mask, block_q=8, block_k=8), want, **F64)
 
 
 @pytest.mark.parametrize("kwargs", [
@@ -83,14 +104,24 @@ def test_plan_visits_exactly_the_tiles_the_mask_does_not_hide():
         causal = rng.random() < 0.8
         mask = Mask(causal=causal, window=rng.choice([None, 1, 3, 8, 50]) if causal else None)
         bq, bk = rng.randint(1, 12), rng.randint(1, 12)
-        assert [tuple(t) for t in tiled.plan(mask, T, S, bq, bk)] == _brute_force_tiles(mask, T, S, bq, bk), \
-            (T, S, mask, bq, bk)
+        (group,) = tiled.plan(mask, T, S, bq, bk)
+        assert group.rows is None
+        assert [tuple(t) for t in group.tiles] == _brute_force_tiles(mask, T, S, bq, bk), (T, S, mask, bq, bk)
 
 
-def test_plan_masks_every_tile_of_a_per_batch_mask_and_skips_none_it_cannot_prove_hidden():
-    pad = torch.ones(1, 20, dtype=torch.bool)
-    tiles = tiled.plan(Mask(key_padding_mask=pad), 20, 20, 5, 5)
-    assert len(tiles) == 10 and all(t.masked for t in tiles)  # the causal lower triangle, all masked
+def test_plan_groups_batch_rows_by_their_block_map():
+    pad = torch.ones(3, 20, dtype=torch.bool)
+    pad[1, :10] = False  # row 1: its first two key tiles are padding
+    docs = torch.zeros(3, 20, dtype=torch.long)
+    groups = tiled.plan(Mask(key_padding_mask=pad, doc_ids=docs), 20, 20, 5, 5)
+    assert sorted(g.rows.tolist() for g in groups) == [[0, 2], [1]]
+    for g in groups:
+        dense = Mask(key_padding_mask=pad[g.rows], doc_ids=docs[g.rows]).dense(20, 20)[:, 0]  # (rows, T, S)
+        want = [t for t in _brute_force_tiles(Mask(key_padding_mask=pad[g.rows[:1]]), 20, 20, 5, 5)]
+        assert [tuple(t) for t in g.tiles] == want
+        assert all(dense[:, t.i0:t.i1, t.k0:t.k1].all() != t.masked for t in g.tiles)
+    (one,) = tiled.plan(Mask(key_padding_mask=torch.ones(2, 20, dtype=torch.bool)), 20, 20, 5, 5)
+    assert one.rows is None  # rows with the same map are one group of all rows: no gather
 
 
 def test_hidden_tiles_are_skipped_by_the_kernel_and_kv_is_never_repeated(monkeypatch):
@@ -107,7 +138,7 @@ def test_hidden_tiles_are_skipped_by_the_kernel_and_kv_is_never_repeated(monkeyp
     monkeypatch.setattr(torch, "bmm", counting_bmm)
     tiled.run(q, k, v, Mask(window=16), scale=1.0, block_q=16, block_k=16)
     # 4 x 4 tiles; causal keeps the 10 on and below the diagonal; window 16 drops the 3 farthest
-    assert len(score_tiles) == 7 == len(tiled.plan(Mask(window=16), T, T, 16, 16))
+    assert len(score_tiles) == 7 == len(tiled.plan(Mask(window=16), T, T, 16, 16)[0].tiles)
     assert set(score_tiles) == {(B * Hkv, 16 * (H // Hkv), 16)}  # one matmul per tile for all B·Hkv groups
     score_tiles.clear()
     tiled.run(q, k, v, Mask(causal=False), scale=1.0, block_q=16, block_k=16)
@@ -118,9 +149,12 @@ def _dense_keep(mask, B, H, Hkv, T, S, dropout_p, seed, block_q, block_k):
     """The kernel's dropout multipliers assembled into one (B, H, T, S) tensor, tile by tile."""
     G = H // Hkv
     keep = torch.zeros(B * Hkv, T * G, S, dtype=torch.float64)  # the kernel's layout
-    for n, t in enumerate(tiled.plan(mask, T, S, block_q, block_k)):
-        like = torch.empty(B * Hkv, (t.i1 - t.i0) * G, t.k1 - t.k0, dtype=torch.float64)
-        keep[:, t.i0 * G:t.i1 * G, t.k0:t.k1] = tiled._keep(seed, n, like, dropout_p)
+    for group in tiled.plan(mask, T, S, block_q, block_k):
+        part = tiled._Part(group, mask, B, Hkv, G, S - T, dropout_p, seed)
+        rows = torch.arange(B * Hkv) if part.index is None else part.index
+        for t in group.tiles:
+            like = torch.empty(len(rows), (t.i1 - t.i0) * G, t.k1 - t.k0, dtype=torch.float64)
+            keep[rows, t.i0 * G:t.i1 * G, t.k0:t.k1] = part.keep(t, like)
     return keep.view(B, Hkv, T, G, S).transpose(2, 3).reshape(B, H, T, S)  # (B, H, T, S)
 
 
@@ -140,7 +174,8 @@ def test_dropout_forward_and_backward_match_a_dense_reference(mask_kind):
     assert abs(dropped - p) < 0.03, dropped  # ~9000 visible entries
     kept = keep[visible][keep[visible] != 0]
     torch.testing.assert_close(kept, torch.full_like(kept, 1 / (1 - p)))  # kept weights are scaled by 1 / (1 - p)
-    first, second = (tiled._keep(seed, n, torch.empty(2, 64, 64), p) for n in (0, 1))
+    part = tiled._Part(tiled.Group(None, []), Mask(), 1, 2, 1, 0, p, seed)
+    first, second = (part.keep(tiled.Tile(0, 64, k0, k0 + 64, False), torch.empty(2, 64, 64)) for k0 in (0, 64))
     assert not torch.equal(first, second)  # each tile draws its own mask
 
 

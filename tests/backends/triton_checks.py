@@ -98,8 +98,10 @@ def test_head_dims_padded_inside_the_kernel(D):
 @pytest.mark.parametrize("tiles", [(32, 16), (16, 32)])
 def test_unequal_tiles_like_the_gpu_autotuner_picks(monkeypatch, tiles, mask):
     """On a GPU the autotuner picks BLOCK_M != BLOCK_N (query tiles larger than key tiles in
-    the forward and dQ kernels, smaller in dK/dV): the tile ranges must not assume equal tiles."""
+    the forward and dQ kernels, smaller in dK/dV), both dividing the block map's tile: here a
+    map of 32 walked in tiles of 32 and 16, so map tiles are split into kernel tiles."""
     m, n = tiles
+    monkeypatch.setattr(triton_backend, "MAP_BLOCK", 32)
     for kernel, (block_m, block_n) in ((triton_kernels.fwd_kernel, (m, n)), (triton_kernels.bwd_dq_kernel, (m, n)),
                                        (triton_kernels.bwd_dkdv_kernel, (n, m))):
         monkeypatch.setattr(kernel, "configs", [triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n})])
@@ -190,6 +192,22 @@ def test_hidden_tiles_are_never_read():
     for name, c, p in zip(parity.NAMES, clean, poisoned):
         rows = slice(32, 64) if name in ("dk", "dv") else slice(32, 80)  # keys 32..63 are seen by rows 32..70 only
         assert torch.equal(c[:, :, rows], p[:, :, rows]), name
+
+
+def test_tiles_of_other_documents_are_never_read():
+    """Documents 0..47 and 48..99, bidirectional inside each: with 16 x 16 tiles, the query tiles
+    of rows 0..47 never load the key tiles 48..99 (the block map hides them), so NaN there
+    cannot reach those rows, nor the dK/dV of keys 0..47."""
+    q, k, v, dout = (t.float() for t in make_qkv(1, 2, 2, 100, 100, 16))
+    docs = (torch.arange(100) >= 48).long()[None]  # (1, S)
+    clean = triton_grads(q, k, v, dout, causal=False, doc_ids=docs)
+    k, v = k.clone(), v.clone()
+    for t in (k, v):
+        t[:, :, 48:] = float("nan")
+    poisoned = triton_grads(q, k, v, dout, causal=False, doc_ids=docs)
+    assert poisoned[0][:, :, 48:].isnan().all()  # the poison is real
+    for name, c, p in zip(parity.NAMES, clean, poisoned):
+        assert torch.equal(c[:, :, :48], p[:, :, :48]), name
 
 
 def triton_grads(q, k, v, dout, **mask):

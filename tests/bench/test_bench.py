@@ -20,7 +20,16 @@ def _grads(module, x, g):
     return y, x.grad
 
 
-@pytest.mark.parametrize("name", ATTENTION_PEERS + tuple(n for n in attention.OURS if n != "triton"))
+def _why_not_here(name: str) -> str | None:
+    return attention.implementation(name).unavailable(torch.device("cpu"), torch.float64, 4, 6)
+
+
+def test_implementations_that_cannot_run_here_say_why():
+    refused = {name: _why_not_here(name) for name in ATTENTION_PEERS + attention.OURS if _why_not_here(name)}
+    assert set(refused) <= {"triton", "flex"} and all(refused.values()), refused  # no GPU; no CPU float64 backward
+
+
+@pytest.mark.parametrize("name", [n for n in ATTENTION_PEERS + attention.OURS if _why_not_here(n) is None])
 def test_every_implementation_agrees_with_math_in_float64(name):
     ref = SelfAttention(24, 4, backend="math").double()  # 4 heads of 6
     x, g = torch.randn(2, 37, 24, dtype=torch.float64), torch.randn(2, 37, 24, dtype=torch.float64)

@@ -20,7 +20,7 @@ from torch import Tensor
 from selfattn.audit.parity import NAMES, assert_flash_rule, forward_backward, max_error  # noqa: F401
 
 HEADS = {"MHA": (4, 4), "GQA": (4, 2), "MQA": (4, 1)}  # name -> (H, Hkv)
-MASK_KINDS = ("causal", "window", "padding", "docs", "all")
+MASK_KINDS = ("causal", "window", "padding", "docs", "all", "many-docs", "heavy-padding")
 WINDOW = 13
 F64 = {"atol": 1e-10, "rtol": 1e-9}  # float64 parity: backends differ from math only by summation order (~1e-15)
 
@@ -31,19 +31,25 @@ def mask_kwargs(kind: str, B: int, S: int, generator: torch.Generator) -> dict:
     causal; window (causal, last ``WINDOW`` keys); padding (causal, batch row 0 left-padded by
     S // 3 so its first queries see nothing, other rows with random holes); docs (packed
     documents, bidirectional inside a document: causal=False); all (causal + window + padding
-    + documents).
+    + documents); many-docs (causal, documents of ~3 tokens: most tiles cross a boundary);
+    heavy-padding (causal, row 0 left-padded by 4/5, other rows 80% holes: most tiles hidden).
     """
     if kind not in MASK_KINDS:
         raise ValueError(f"unknown mask kind {kind!r}; choose one of {MASK_KINDS}")
     pad = torch.rand(B, S, generator=generator) > 0.3  # (B, S) True = real token
     pad[0] = torch.arange(S) >= S // 3
     docs = (torch.rand(B, S, generator=generator) < 0.1).cumsum(dim=1)  # (B, S) sorted document ids
+    short_docs = (torch.rand(B, S, generator=generator) < 0.3).cumsum(dim=1)  # (B, S) many short documents
+    sparse = torch.rand(B, S, generator=generator) > 0.8  # (B, S) one real token in five
+    sparse[0] = torch.arange(S) >= 4 * S // 5
     return {
         "causal": {},
         "window": {"window": WINDOW},
         "padding": {"key_padding_mask": pad},
         "docs": {"causal": False, "doc_ids": docs},
         "all": {"window": WINDOW, "key_padding_mask": pad, "doc_ids": docs},
+        "many-docs": {"doc_ids": short_docs},
+        "heavy-padding": {"key_padding_mask": sparse},
     }[kind]
 
 

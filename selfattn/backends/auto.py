@@ -1,0 +1,74 @@
+"""``backend="auto"``: the backend expected to be fastest for a request, never one that refuses it.
+
+The rule, and the measurements behind it (``selfattn bench masks`` and timings of the same
+kind, on a 2-core AMD EPYC with AVX2, float32, B=1, H=8, D=64, medians of interleaved runs;
+the README has the tables):
+
+1. Weights asked for: ``math``, the only backend that returns them.
+2. Plain causal or unmasked attention (a window as long as the sequence included): ``sdpa``.
+   PyTorch's fused kernel with ``is_causal`` was the fastest at T = 4096: 150 ms forward
+   against tiled's 203 and FlexAttention's 216; 523 ms forward+backward against tiled's 667.
+3. A small request, T·S <= ``SMALL`` (a decoding step over a cache, a short sequence):
+   ``sdpa`` with the dense mask. At T = S = 256 it took 1.6 ms forward against tiled's 2.7
+   (window 64 and 4 documents); at 512 the two tied; from 1024 on tiled won by 1.6-2.9x.
+4. Windows, padding, documents: the tiles the mask leaves visible decide (the block map's
+   density at the tiled backend's tile size). Tiled costs about 1.2x SDPA per computed pair
+   (plain causal at T = 4096: 203 ms for the 53% of tiles it computes, against 320 ms for SDPA
+   with a dense mask computing them all), so above a density of ``DENSE`` = 0.8 the dense
+   mask wins; below it, the backends that skip hidden tiles:
+   - forward only (no gradient, no dropout), compiling allowed, and a mask where compiled
+     FlexAttention was faster than tiled: documents (1.1-1.3x at T = 4096 and 16384),
+     padding (1.2x) and windows of at most ``FLEX_WINDOW`` = 256 keys (1.14-1.22x; at
+     windows of 512, 1024 and 2048 tiled was 1.15-1.2x faster): ``flex``;
+   - otherwise ``tiled`` (forward+backward: 6-21x faster than SDPA with a dense mask).
+5. On a CUDA device (not measured by this project yet): plain causal ``sdpa``; other masks
+   ``flex`` when compiling is allowed, else ``triton`` when it is installed, else ``tiled``.
+
+Each candidate is asked (``unsupported``) before it is chosen; the next one serves when it
+refuses. Compiling backends (``flex``: about 5 s for every new shape on that CPU) can be kept
+out of ``auto`` with :func:`allow_compile` or the environment variable
+``SELFATTN_AUTO_COMPILE=0``.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import Tensor
+
+from selfattn.backends import tiled
+from selfattn.masks import Mask
+
+SMALL = 2 ** 17  # T·S up to this: sdpa with a dense mask (rule 3)
+DENSE = 0.8  # block-map density above this: sdpa with a dense mask (rule 4)
+FLEX_WINDOW = 256  # windows up to this many keys: flex's forward beat tiled on the CPU (rule 4)
+
+_compile = os.environ.get("SELFATTN_AUTO_COMPILE", "1") != "0"
+
+
+def allow_compile(enabled: bool) -> None:
+    """Whether ``auto`` may pick a backend that compiles on first use (``flex``)."""
+    global _compile
+    _compile = bool(enabled)
+
+
+def candidates(q: Tensor | None, k: Tensor | None, v: Tensor | None, mask: Mask | None, dropout_p: float,
+               return_weights: bool) -> list[str]:
+    """The backends for this request, best first (see the module docstring); the caller takes the
+    first that is installed and does not refuse. q, k, v and mask arrive validated (or None:
+    no request, just the name)."""
+    if return_weights:
+        return ["math"]
+    if q is None or mask is None:
+        return ["sdpa"]
+    T, S = q.shape[2], k.shape[2]
+    if not mask.per_batch and (mask.window is None or mask.window >= S):  # a window >= S is plain causal
+        return ["sdpa"]
+    if T * S <= SMALL or mask.blocks(T, S, *tiled.tile_sizes(mask)).density() > DENSE:
+        return ["sdpa"]
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    if q.device.type == "cuda":
+        return ["flex"] * _compile + ["triton", "tiled", "sdpa"]
+    flex_wins = mask.per_batch or mask.window <= FLEX_WINDOW  # documents, padding, short windows
+    flex_serves = not grad and dropout_p == 0.0 and _compile
+    return ["flex"] * (flex_wins and flex_serves) + ["tiled", "sdpa"]
