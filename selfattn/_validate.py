@@ -93,6 +93,53 @@ def embeddings(who: str, x, C: int) -> None:
         raise TypeError(f"{who} expects a floating-point input, got dtype {x.dtype}")
 
 
+def sink_tokens(value, window) -> int | None:
+    """StreamingLLM's sink tokens: a count of first keys kept visible, meaningful under a window."""
+    if value is None or count("sink_tokens", value) == 0:
+        return None
+    if window is None:
+        raise ValueError(f"sink_tokens={value} needs a window (the sinks stay visible when the window has moved on)")
+    return value
+
+
+def prefix_len(value, B: int, S: int, causal: bool, window, device) -> Tensor | None:
+    """A prefix-LM prefix: an int or a ``(B,)`` integer tensor in [0, S]; as ``(B,)`` or ``(1,)`` int64."""
+    if value is None:
+        return None
+    if not causal or window is not None:
+        raise ValueError(f"prefix_len needs causal attention without a window (got causal={causal}, "
+                         f"window={window}): the prefix is bidirectional, the rest causal")
+    if isinstance(value, Tensor):
+        if not is_integer(value) or value.dim() != 1 or len(value) not in (1, B):
+            raise ValueError(f"prefix_len must be an int or an integer tensor of shape (B={B},), got "
+                             f"{value.dtype} {tuple(value.shape)}")
+        lengths = value.to(device=device, dtype=torch.long)
+    else:
+        lengths = torch.tensor([count("prefix_len", value)], device=device)
+    if ((lengths < 0) | (lengths > S)).any():
+        raise ValueError(f"prefix_len must be in [0, S={S}], got {lengths.tolist()}")
+    return lengths
+
+
+def per_head(name: str, t, H: int, device) -> Tensor | None:
+    """A floating-point ``(H,)`` tensor, one value per query head (ALiBi slopes, sink logits)."""
+    if t is None:
+        return None
+    if not isinstance(t, Tensor) or not t.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point tensor of shape (H={H},), got "
+                        f"{t.dtype if isinstance(t, Tensor) else type(t).__name__}")
+    if t.shape != (H,):
+        raise ValueError(f"{name} must have shape (H={H},), one value per query head, got {tuple(t.shape)}")
+    return t.to(device)
+
+
+def function(name: str, fn):
+    """A callable, or None."""
+    if fn is not None and not callable(fn):
+        raise TypeError(f"{name} must be callable, got {type(fn).__name__}")
+    return fn
+
+
 def qkv(q: Tensor, k: Tensor, v: Tensor) -> None:
     """q ``(B, H, T, D)`` and k, v ``(B, Hkv, S, D)``: floating point, one dtype and device,
     H a multiple of Hkv, T <= S."""

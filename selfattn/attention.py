@@ -12,47 +12,67 @@ projection) with the options real models use, each one keyword and off by defaul
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor, nn
 
 from selfattn import _validate, backends
-from selfattn.kv_cache import KVCache
+from selfattn.kv_cache import KVCache, RollingKVCache
 from selfattn.masks import Mask
 from selfattn.rope import apply_rope, rope_angles
+from selfattn.scores import Scores, alibi_slopes
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = True, window: int | None = None,
               key_padding_mask: Tensor | None = None, doc_ids: Tensor | None = None,
               dropout_p: float = 0.0, scale: float | None = None, backend: str = "auto",
-              return_weights: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+              return_weights: bool = False, mask_mod: Callable | None = None, score_mod: Callable | None = None,
+              alibi_slopes: Tensor | None = None, softcap: float | None = None, sinks: Tensor | None = None,
+              sink_tokens: int | None = None,
+              prefix_len: int | Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
     """Scaled dot-product attention of q ``(B, H, T, D)`` over k, v ``(B, Hkv, S, D)``.
 
-    The queries are the last T of the S key positions (see :mod:`selfattn.masks` for the
-    masking rules). ``scale`` defaults to ``D ** -0.5``. ``backend`` is one of ``"auto"``,
-    ``"math"``, ``"sdpa"``, ``"tiled"``, ``"triton"``. Returns the output ``(B, H, T, D)``,
-    and with ``return_weights=True`` also the weights ``(B, H, T, S)`` (math backend only).
+    The queries are the last T of the S key positions. Which keys a query sees:
+    :mod:`selfattn.masks` (``causal``, ``window``, ``key_padding_mask``, ``doc_ids``,
+    ``sink_tokens``, ``prefix_len``, a ``mask_mod`` of yours); what happens to the scores:
+    :mod:`selfattn.scores` (``alibi_slopes``, ``softcap``, a ``score_mod`` of yours, learned
+    ``sinks``). ``scale`` defaults to ``D ** -0.5``. ``backend`` is one of ``"auto"``,
+    ``"math"``, ``"sdpa"``, ``"tiled"``, ``"flex"``, ``"triton"``. Returns the output
+    ``(B, H, T, D)``, and with ``return_weights=True`` also the weights ``(B, H, T, S)``
+    (math backend only).
     """
     _validate.qkv(q, k, v)
-    B, T, S = q.shape[0], q.shape[2], k.shape[2]
-    mask = Mask(causal=bool(causal), window=_validate.window(window, causal),
+    B, H, T, S = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
+    window = _validate.window(window, causal)
+    mask = Mask(causal=bool(causal), window=window,
                 key_padding_mask=_validate.per_key("key_padding_mask", key_padding_mask, B, S, bool, q.device),
-                doc_ids=_validate.per_key("doc_ids", doc_ids, B, S, int, q.device))
+                doc_ids=_validate.per_key("doc_ids", doc_ids, B, S, int, q.device),
+                sink_tokens=_validate.sink_tokens(sink_tokens, window),
+                prefix_len=_validate.prefix_len(prefix_len, B, S, causal, window, q.device),
+                mask_mod=_validate.function("mask_mod", mask_mod), n_head=H,
+                batch_rows=None if mask_mod is None else torch.arange(B, device=q.device))
+    scores = Scores(alibi_slopes=_validate.per_head("alibi_slopes", alibi_slopes, H, q.device),
+                    softcap=None if softcap is None else _validate.positive_number("softcap", softcap),
+                    score_mod=_validate.function("score_mod", score_mod),
+                    sinks=_validate.per_head("sinks", sinks, H, q.device))
     dropout_p = _validate.probability("dropout_p", dropout_p)
     scale = q.shape[-1] ** -0.5 if scale is None else _validate.positive_number("scale", scale)
-    name = backends.resolve(backend, q=q, k=k, v=v, mask=mask, dropout_p=dropout_p, return_weights=return_weights)
+    name = backends.resolve(backend, q=q, k=k, v=v, mask=mask, dropout_p=dropout_p, return_weights=return_weights,
+                            scores=scores)
     impl = backends.load(name)
     if return_weights and not impl.RETURNS_WEIGHTS:
         raise ValueError(f"return_weights=True needs backend 'math' (or 'auto', which picks it); "
                          f"{backend!r} cannot return the weights")
-    why = impl.unsupported(q, k, v, mask, dropout_p)
+    why = impl.unsupported(q, k, v, mask, dropout_p, scores)
     if why:
         raise ValueError(f"backend {name!r} cannot serve this request: {why}")
     if T == 0 or B == 0:
         empty = q * 0  # nothing to attend: an empty (B, H, T, D), still on the autograd graph
-        return (empty, q.new_zeros(B, q.shape[1], T, S)) if return_weights else empty
+        return (empty, q.new_zeros(B, H, T, S)) if return_weights else empty
     if return_weights:
-        return impl.run_with_weights(q, k, v, mask, scale=scale, dropout_p=dropout_p)
-    return impl.run(q, k, v, mask, scale=scale, dropout_p=dropout_p)
+        return impl.run_with_weights(q, k, v, mask, scale=scale, dropout_p=dropout_p, scores=scores)
+    return impl.run(q, k, v, mask, scale=scale, dropout_p=dropout_p, scores=scores)
 
 
 class SelfAttention(nn.Module):
@@ -70,12 +90,20 @@ class SelfAttention(nn.Module):
         dropout: on the attention weights and on the output, in training mode only.
         rope, rope_base: rotary position embeddings on q and k.
         window: sliding window, each query sees its ``window`` most recent keys (itself included).
-        backend: ``"auto"``, ``"math"``, ``"sdpa"``, ``"tiled"`` or ``"triton"``.
+        sink_tokens: with a window, the first n positions stay visible to every query (StreamingLLM).
+        alibi: ALiBi biases with the paper's slopes for ``n_head`` heads (:func:`~selfattn.scores.alibi_slopes`).
+        softcap: scores soft-capped to ``softcap · tanh(score / softcap)`` (Gemma 2).
+        sinks: one learned sink logit per head in every softmax's denominator (gpt-oss): a
+            parameter ``sinks`` ``(H,)``, initialised to zero.
+        mask_mod, score_mod: functions of your own (see :func:`attention`).
+        backend: ``"auto"``, ``"math"``, ``"sdpa"``, ``"tiled"``, ``"flex"`` or ``"triton"``.
     """
 
     def __init__(self, n_embd: int, n_head: int, *, n_kv_head: int | None = None, bias: bool = False,
                  dropout: float = 0.0, rope: bool = False, rope_base: float = 10000.0,
-                 window: int | None = None, backend: str = "auto"):
+                 window: int | None = None, sink_tokens: int | None = None, alibi: bool = False,
+                 softcap: float | None = None, sinks: bool = False, mask_mod: Callable | None = None,
+                 score_mod: Callable | None = None, backend: str = "auto"):
         super().__init__()
         self.n_head = n_head
         self.n_kv_head, self.head_dim = _validate.heads(n_embd, n_head, n_kv_head)
@@ -84,20 +112,28 @@ class SelfAttention(nn.Module):
         self.dropout = _validate.probability("dropout", dropout)
         self.rope, self.rope_base = bool(rope), _validate.positive_number("rope_base", rope_base, above=1.0)
         self.window = _validate.window(window)
+        self.sink_tokens = _validate.sink_tokens(sink_tokens, self.window)
+        self.alibi = bool(alibi)
+        self.softcap = None if softcap is None else _validate.positive_number("softcap", softcap)
+        self.mask_mod = _validate.function("mask_mod", mask_mod)
+        self.score_mod = _validate.function("score_mod", score_mod)
         backends.resolve(backend)  # an unknown name fails here, not at the first forward
         self.backend = backend
         self.qkv = nn.Linear(n_embd, n_embd + 2 * self.n_kv_head * self.head_dim, bias=bias)
         self.proj = nn.Linear(n_embd, n_embd, bias=bias)
+        self.sinks = nn.Parameter(torch.zeros(n_head)) if sinks else None  # zeros: no random draw
 
     def forward(self, x: Tensor, *, key_padding_mask: Tensor | None = None, doc_ids: Tensor | None = None,
-                positions: Tensor | None = None, cache: KVCache | None = None,
+                prefix_len: int | Tensor | None = None, positions: Tensor | None = None,
+                cache: KVCache | RollingKVCache | None = None,
                 return_weights: bool = False) -> Tensor | tuple[Tensor, Tensor]:
         """``x`` (B, T, C) -> (B, T, C); with ``return_weights`` also the weights (B, H, T, S).
 
         key_padding_mask, doc_ids: ``(B, S)`` over every key position (cached ones included).
+        prefix_len: prefix-LM, an int or ``(B,)``: the first P positions attend to each other.
         positions: RoPE positions, ``(T,)`` or ``(B, T)``; default ``cache.length + arange(T)``.
-        cache: a :class:`~selfattn.kv_cache.KVCache`; the new keys and values are appended
-        and the queries attend over everything cached so far.
+        cache: a :class:`~selfattn.kv_cache.KVCache` (the queries attend over everything cached
+            so far) or a :class:`~selfattn.kv_cache.RollingKVCache` (the window's keys only).
         """
         C = self.n_head * self.head_dim
         _validate.embeddings("SelfAttention", x, C)
@@ -114,10 +150,16 @@ class SelfAttention(nn.Module):
             cos, sin = rope_angles(positions, self.head_dim, self.rope_base)  # (1 or B, 1, T, D/2)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
-            k, v = cache.append(k, v)  # (B, Hkv, S, D) with S = cached + T
+            k, v = cache.append(k, v)  # (B, Hkv, S, D): the cached keys the queries need, and the T new ones
+            if isinstance(cache, RollingKVCache):  # per-position masks follow the positions the keys hold
+                live = cache.positions()
+                key_padding_mask = None if key_padding_mask is None else key_padding_mask[:, live]
+                doc_ids = None if doc_ids is None else doc_ids[:, live]
         out = attention(q, k, v, window=self.window, key_padding_mask=key_padding_mask, doc_ids=doc_ids,
                         dropout_p=self.dropout if self.training else 0.0, backend=self.backend,
-                        return_weights=return_weights)
+                        return_weights=return_weights, sink_tokens=self.sink_tokens, prefix_len=prefix_len,
+                        alibi_slopes=alibi_slopes(self.n_head).to(x.device) if self.alibi else None,
+                        softcap=self.softcap, sinks=self.sinks, mask_mod=self.mask_mod, score_mod=self.score_mod)
         y, weights = out if return_weights else (out, None)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, H, D) -> (B, T, C)
         y = self.proj(y)
@@ -130,7 +172,8 @@ class SelfAttention(nn.Module):
         if self.n_kv_head != self.n_head:
             opts.append(f"n_kv_head={self.n_kv_head}")
         opts += [f"{name}={getattr(self, name)!r}" for name, off in
-                 (("dropout", 0.0), ("rope", False), ("window", None), ("backend", "auto"))
-                 if getattr(self, name) != off]
+                 (("dropout", 0.0), ("rope", False), ("window", None), ("sink_tokens", None), ("alibi", False),
+                  ("softcap", None), ("backend", "auto")) if getattr(self, name) != off]
+        opts += [name for name in ("sinks", "mask_mod", "score_mod") if getattr(self, name) is not None]
         return ", ".join(opts)
 

@@ -71,7 +71,8 @@ def to_hf(gpt: GPT):
     cfg = gpt.config
     mismatch = {name: getattr(cfg, name) for name, ok in (
         ("pos", cfg.pos == "learned"), ("bias", cfg.bias), ("mlp", cfg.mlp),
-        ("n_kv_head", cfg.n_kv_head in (None, cfg.n_head)), ("window", cfg.window is None)) if not ok}
+        ("n_kv_head", cfg.n_kv_head in (None, cfg.n_head)), ("window", cfg.window is None), ("alibi", not cfg.alibi),
+        ("softcap", cfg.softcap is None), ("sinks", not cfg.sinks)) if not ok}
     if mismatch:
         raise ValueError(f"only GPT-2's architecture converts to transformers (pos='learned', bias=True, mlp=True, "
                          f"no GQA, no window); this config has {mismatch}")

@@ -1,15 +1,23 @@
-"""A preallocated key/value cache for one attention layer.
+"""Preallocated key/value caches for one attention layer.
 
-Shape: ``k`` and ``v`` are ``(B, Hkv, max_len, D)``; the first ``length`` positions along
-dim 2 are live. Each forward of T new tokens writes slots ``[length, length + T)`` and
+:class:`KVCache`: ``k`` and ``v`` are ``(B, Hkv, max_len, D)``; the first ``length`` positions
+along dim 2 are live. Each forward of T new tokens writes slots ``[length, length + T)`` and
 attends over ``[0, length + T)`` only: unused slots are never read.
+
+:class:`RollingKVCache`, for sliding-window models: ``sink_tokens + window`` slots that wrap
+around (Mistral's rolling buffer), so decoding keeps O(window) memory and work however long
+it runs. A forward of T new tokens attends over the sink tokens, the cached positions still
+inside the window, and the T new ones, in that order: the recent ones are contiguous with
+the new ones, so the window rule holds in key coordinates, and the sinks (key indices below
+``sink_tokens``) stay visible by the ``sink_tokens`` rule. Both caches tell which absolute
+positions their keys hold (:meth:`positions`), so per-position masks can follow them.
 """
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
-from selfattn._validate import positive_ints
+from selfattn._validate import count, positive_ints
 
 
 class KVCache:
@@ -41,6 +49,10 @@ class KVCache:
         self.length = end
         return self.k[:, :, :end], self.v[:, :, :end]
 
+    def positions(self) -> Tensor:
+        """The absolute positions of the keys the last :meth:`append` returned: ``0 .. length - 1``."""
+        return torch.arange(self.length, device=self.k.device)
+
     def reset(self) -> None:
         """Forget every cached position (the memory is kept for reuse)."""
         self.length = 0
@@ -48,3 +60,61 @@ class KVCache:
     def __repr__(self) -> str:
         B, Hkv, max_len, D = self.k.shape
         return f"KVCache(B={B}, Hkv={Hkv}, length={self.length}/{max_len}, D={D}, dtype={self.k.dtype})"
+
+
+class RollingKVCache:
+    """The last ``window`` positions (and the first ``sink_tokens``) of one layer, in ring slots."""
+
+    def __init__(self, batch_size: int, n_kv_head: int, window: int, head_dim: int, *, sink_tokens: int = 0,
+                 dtype: torch.dtype = torch.float32, device=None):
+        positive_ints(batch_size=batch_size, n_kv_head=n_kv_head, window=window, head_dim=head_dim)
+        self.window, self.sink_tokens = window, count("sink_tokens", sink_tokens)
+        shape = (batch_size, n_kv_head, self.sink_tokens + window, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)  # (B, Hkv, n + W, D): sinks, then the ring
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.length = 0  # positions seen so far
+        self._live = torch.zeros(0, dtype=torch.long, device=device)  # positions of the keys last returned
+
+    @property
+    def max_len(self) -> int | None:
+        """None: a rolling cache takes any number of positions."""
+        return None
+
+    def append(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Take T new positions (``k``, ``v`` (B, Hkv, T, D)); return what their queries attend
+        over: ``(B, Hkv, S, D)``, the sinks, the cached positions in the window, the new ones."""
+        if k.shape != v.shape or k.shape[:2] != self.k.shape[:2] or k.shape[3] != self.k.shape[3]:
+            raise ValueError(f"RollingKVCache: expected k, v of shape (B={self.k.shape[0]}, Hkv={self.k.shape[1]}, "
+                             f"T, D={self.k.shape[3]}), got {tuple(k.shape)} and {tuple(v.shape)}")
+        n, W, L, T = self.sink_tokens, self.window, self.length, k.shape[2]
+        device = self.k.device
+        recent_from = min(max(n, L - W + 1), L)  # the oldest cached position still in the first query's window
+        old = torch.cat([torch.arange(min(L, n), device=device), torch.arange(recent_from, L, device=device)])
+        slots = self._slots(old)
+        keys = torch.cat([self.k[:, :, slots], k], dim=2)  # (B, Hkv, S, D)
+        values = torch.cat([self.v[:, :, slots], v], dim=2)
+        new = torch.arange(L, L + T, device=device)
+        keep = new[(new < n) | (new >= L + T - W)]  # only the last W (and sinks) survive the wrap
+        self.k[:, :, self._slots(keep)] = k[:, :, keep - L]
+        self.v[:, :, self._slots(keep)] = v[:, :, keep - L]
+        self.length = L + T
+        self._live = torch.cat([old, new])
+        return keys, values
+
+    def _slots(self, positions: Tensor) -> Tensor:
+        """The slot of each absolute position: a sink's own slot, else its place in the ring."""
+        n = self.sink_tokens
+        return torch.where(positions < n, positions, n + (positions - n) % self.window)
+
+    def positions(self) -> Tensor:
+        """The absolute positions of the keys the last :meth:`append` returned, in their order."""
+        return self._live
+
+    def reset(self) -> None:
+        self.length = 0
+        self._live = self._live[:0]
+
+    def __repr__(self) -> str:
+        B, Hkv, _, D = self.k.shape
+        return (f"RollingKVCache(B={B}, Hkv={Hkv}, window={self.window}, sink_tokens={self.sink_tokens}, "
+                f"length={self.length}, D={D}, dtype={self.k.dtype})")

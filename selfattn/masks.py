@@ -13,6 +13,15 @@ The rules, all combinable (True = may attend):
 - ``key_padding_mask`` ``(B, S)`` bool, True = real token: padding keys are never seen.
 - ``doc_ids`` ``(B, S)`` integers (packed sequences): a query sees only keys whose
   document id equals its own (the id at its key index).
+- ``sink_tokens=n`` (with a window): the first n keys stay visible to every later query
+  (StreamingLLM's attention sinks).
+- ``prefix_len`` ``(B,)`` or ``(1,)`` (prefix-LM, causal only, no window): the first P keys are
+  visible to every query, so the prefix attends bidirectionally and the rest causally:
+  ``j <= max(p, P - 1)``.
+- ``mask_mod(b, h, q_idx, kv_idx) -> bool`` (FlexAttention's signature, called on broadcasting
+  index tensors, ``q_idx`` the query's position in key coordinates): a rule of the user's,
+  combined with the others by AND. ``n_head`` (and ``batch_rows``, the batch indices it sees)
+  tell the mask how to call it.
 
 A query row that can see nothing (e.g. a left-padding query) is defined to output zeros.
 
@@ -28,12 +37,17 @@ call a tile PARTIAL that a combination of rules happens to hide or show entirely
 """
 from __future__ import annotations
 
+import weakref
+from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 HIDDEN, PARTIAL, FULL = 0, 1, 2  # the kinds of tile in a BlockMap
+MOD_CHUNK = 2 ** 24  # mask_mod evaluations per chunk when a block map is derived from it
+_mod_maps: OrderedDict = OrderedDict()  # (mask_mod, shape...) -> its tile kinds; see _mask_mod_kinds
 
 
 @dataclass(frozen=True, eq=False)
@@ -42,11 +56,27 @@ class Mask:
     window: int | None = None
     key_padding_mask: Tensor | None = None  # (B, S) bool, True = real token
     doc_ids: Tensor | None = None  # (B, S) integer document id per position
+    sink_tokens: int | None = None  # with a window: the first n keys stay visible
+    prefix_len: Tensor | None = None  # (B,) or (1,) int64: keys j < P visible to every query
+    mask_mod: Callable | None = None  # mask_mod(b, h, q_idx, kv_idx) -> bool, AND-ed with the rest
+    n_head: int | None = None  # H, the heads mask_mod is called with
+    batch_rows: Tensor | None = None  # (B,) the batch indices mask_mod sees
+
+    def __post_init__(self):
+        if self.mask_mod is not None and (self.n_head is None or self.batch_rows is None):
+            raise ValueError("a Mask with a mask_mod needs n_head and batch_rows (the heads and batch indices it "
+                             "is called with); attention() sets them")
 
     @property
     def per_batch(self) -> bool:
-        """True when the mask differs between batch rows (padding or documents)."""
-        return self.key_padding_mask is not None or self.doc_ids is not None
+        """True when the mask may differ between batch rows (padding, documents, prefixes, a mask_mod)."""
+        return (self.key_padding_mask is not None or self.doc_ids is not None or self.mask_mod is not None
+                or (self.prefix_len is not None and self.prefix_len.numel() > 1))
+
+    @property
+    def plain_causal(self) -> bool:
+        """Causal attention and nothing else: no window, padding, documents, prefix or mask_mod."""
+        return self.causal and self.window is None and not self.per_batch and self.prefix_len is None
 
     @property
     def is_full(self) -> bool:
@@ -57,14 +87,15 @@ class Mask:
     def may_have_empty_rows(self) -> bool:
         """Whether some query row can see no key at all (then it must output zeros).
 
-        Causal and window rows always see their own position; only padding can hide it.
+        Causal and window rows always see their own position; padding and a mask_mod can hide it.
         """
-        return self.key_padding_mask is not None
+        return self.key_padding_mask is not None or self.mask_mod is not None
 
     def tile(self, q0: int, q1: int, k0: int, k1: int, device=None) -> Tensor:
         """The predicate on a tile: queries at key indices [q0, q1), keys [k0, k1).
 
-        Returns bool ``(B or 1, 1, q1 - q0, k1 - k0)``; B only when the mask is per-batch.
+        Returns bool ``(B or 1, H or 1, q1 - q0, k1 - k0)``: B when the mask is per-batch, H when
+        a mask_mod depends on the head.
         """
         p = torch.arange(q0, q1, device=device)[:, None]  # (Tq, 1) query positions
         j = torch.arange(k0, k1, device=device)[None, :]  # (1, Sk) key positions
@@ -72,14 +103,35 @@ class Mask:
         if self.causal or self.window is not None:
             ok = j <= p
         if self.window is not None:
-            ok = ok & (j > p - self.window)
+            recent = j > p - self.window
+            ok = ok & (recent | (j < self.sink_tokens) if self.sink_tokens else recent)
         ok = ok[None, None]  # (1, 1, Tq, Sk)
+        if self.prefix_len is not None:
+            ok = ok | (j < self.prefix_len.to(j.device)[:, None, None, None])  # (B or 1, 1, Tq, Sk)
         if self.key_padding_mask is not None:
             ok = ok & self.key_padding_mask[:, None, None, k0:k1]  # (B, 1, Tq, Sk)
         if self.doc_ids is not None:
             docs = self.doc_ids
             ok = ok & (docs[:, None, q0:q1, None] == docs[:, None, None, k0:k1])  # (B, 1, Tq, Sk)
+        if self.mask_mod is not None:
+            ok = ok & self._user(p[None, None], j[None, None])  # (B or 1, H or 1, Tq, Sk)
         return ok
+
+    def _user(self, p: Tensor, j: Tensor) -> Tensor:
+        """``mask_mod`` on query positions p ``(1, 1, Tq, 1)`` and keys j ``(1, 1, 1, Sk)``, validated."""
+        b = self.batch_rows.to(p.device)[:, None, None, None]  # (B, 1, 1, 1)
+        h = torch.arange(self.n_head, device=p.device)[None, :, None, None]  # (1, H, 1, 1)
+        out = self.mask_mod(b, h, p, j)
+        want = (len(self.batch_rows), self.n_head, p.shape[2], j.shape[3])
+        if not isinstance(out, Tensor) or out.dtype != torch.bool:
+            raise TypeError(f"mask_mod must return a bool tensor, got "
+                            f"{out.dtype if isinstance(out, Tensor) else type(out).__name__}")
+        try:
+            torch.broadcast_shapes(out.shape, want)
+        except RuntimeError:
+            raise ValueError(f"mask_mod returned shape {tuple(out.shape)}, which does not broadcast to "
+                             f"(B, H, T, S) = {want}") from None
+        return out.reshape((1,) * (4 - out.dim()) + tuple(out.shape))  # (B or 1, H or 1, Tq, Sk)
 
     def dense(self, T: int, S: int, device=None) -> Tensor:
         """The whole mask, bool ``(B or 1, 1, T, S)``: the tile of all queries and keys."""
@@ -87,12 +139,15 @@ class Mask:
 
     def rows(self, index: Tensor) -> Mask:
         """The mask of the batch rows ``index`` (1-D integer tensor) of a per-batch mask."""
-        pick = (lambda t: None if t is None else t.index_select(0, index.to(t.device)))
-        return Mask(self.causal, self.window, pick(self.key_padding_mask), pick(self.doc_ids))
+        def pick(t):
+            return t if t is None or len(t) == 1 else t.index_select(0, index.to(t.device))
+        return Mask(self.causal, self.window, pick(self.key_padding_mask), pick(self.doc_ids), self.sink_tokens,
+                    pick(self.prefix_len), self.mask_mod, self.n_head, pick(self.batch_rows))
 
     def blocks(self, T: int, S: int, block_q: int, block_k: int) -> BlockMap:
         """The :class:`BlockMap` of T queries over S keys in tiles of ``block_q`` x ``block_k``."""
-        device = next((t.device for t in (self.key_padding_mask, self.doc_ids) if t is not None), None)
+        device = next((t.device for t in (self.key_padding_mask, self.doc_ids, self.prefix_len, self.batch_rows)
+                       if t is not None), None)
         nq, nk = -(-T // block_q), -(-S // block_k)
         p_lo = S - T + torch.arange(nq, device=device) * block_q  # (nq,) each query tile's first position
         p_hi = torch.clamp(p_lo + block_q, max=S) - 1  # (nq,) and its last
@@ -100,12 +155,19 @@ class Mask:
         k_hi = torch.clamp(k_lo + block_k, max=S) - 1  # (nk,) and its last
         hidden = torch.zeros(1, nq, nk, dtype=torch.bool, device=device)
         full = torch.ones(1, nq, nk, dtype=torch.bool, device=device)
-        if self.causal or self.window is not None:
-            hidden |= k_lo[None, None, :] > p_hi[None, :, None]  # every key after every query
-            full &= k_hi[None, None, :] <= p_lo[None, :, None]  # every key at or before the first query
+        if self.causal or self.window is not None:  # visible: j <= max(p, P - 1) (P = 0 without a prefix)
+            reach_hi, reach_lo = p_hi[None, :], p_lo[None, :]  # (1, nq) the last key the last, first query sees
+            if self.prefix_len is not None:
+                last = self.prefix_len.to(p_hi.device)[:, None] - 1  # (B or 1, 1)
+                reach_hi, reach_lo = torch.maximum(reach_hi, last), torch.maximum(reach_lo, last)  # (B or 1, nq)
+            hidden = hidden | (k_lo[None, None, :] > reach_hi[:, :, None])  # every key after every query
+            full = full & (k_hi[None, None, :] <= reach_lo[:, :, None])  # every key seen by the first query
         if self.window is not None:
-            hidden |= k_hi[None, None, :] <= p_lo[None, :, None] - self.window  # every key too old for every query
-            full &= k_lo[None, None, :] > p_hi[None, :, None] - self.window  # every key recent for the last query
+            n = self.sink_tokens or 0
+            old = k_hi[None, None, :] <= p_lo[None, :, None] - self.window  # every key too old for every query
+            hidden = hidden | (old & ~((k_lo < n)[None, None, :] & (k_lo[None, None, :] <= p_hi[None, :, None])))
+            recent = k_lo[None, None, :] > p_hi[None, :, None] - self.window  # every key recent for the last query
+            full = full & (recent | (k_hi < n)[None, None, :] | (p_hi - self.window < n)[None, :, None])
         if self.key_padding_mask is not None:
             real = _per_tile(self.key_padding_mask.int(), block_k, "sum")  # (B, nk) real keys per key tile
             hidden = hidden | (real == 0)[:, None, :]
@@ -117,6 +179,9 @@ class Mask:
             hidden = hidden | (q_max[:, :, None] < k_min[:, None, :]) | (q_min[:, :, None] > k_max[:, None, :])
             one_doc = (q_min == q_max)[:, :, None] & (k_min == k_max)[:, None, :]  # (B, nq, nk)
             full = full & one_doc & (q_min[:, :, None] == k_min[:, None, :])
+        if self.mask_mod is not None:
+            mod_hidden, mod_full = _mask_mod_kinds(self, T, S, block_q, block_k, device)  # (B or 1, nq, nk)
+            hidden, full = hidden | mod_hidden, full & mod_full
         kind = torch.where(hidden, HIDDEN, torch.where(full, FULL, PARTIAL)).to(torch.uint8)
         return BlockMap(kind, block_q, block_k)
 
@@ -144,6 +209,38 @@ class BlockMap:
     def transposed(self) -> BlockMap:
         """The same map seen from the keys: per key tile, its query tiles (for dK and dV)."""
         return BlockMap(self.kind.transpose(1, 2), self.block_k, self.block_q)
+
+
+def _mask_mod_kinds(mask: Mask, T: int, S: int, block_q: int, block_k: int, device) -> tuple[Tensor, Tensor]:
+    """(hidden, full) ``(B or 1, nq, nk)`` of the mask_mod alone, over every head, found by calling
+    it on every pair (as FlexAttention's ``create_block_mask`` does), a few query tiles at a time;
+    cached per function and shape while the function lives."""
+    key = (id(mask.mask_mod), mask.n_head, tuple(mask.batch_rows.tolist()), T, S, block_q, block_k, str(device))
+    hit = _mod_maps.get(key)
+    if hit is not None and hit[0]() is mask.mask_mod:
+        return hit[1]
+    only_mod = Mask(causal=False, mask_mod=mask.mask_mod, n_head=mask.n_head, batch_rows=mask.batch_rows)
+    rows = max(1, MOD_CHUNK // max(1, S * mask.n_head * len(mask.batch_rows)) // block_q) * block_q
+    hidden, full = [], []
+    for i0 in range(0, T, rows):
+        ok = only_mod.tile(S - T + i0, S - T + min(i0 + rows, T), 0, S, device)  # (B or 1, H or 1, rows, S)
+        any_h, all_h = ok.any(1).int(), ok.all(1).int()  # (B or 1, rows, S): visible to some head, to every head
+        hidden.append(_per_block(any_h, block_q, block_k, "amax") == 0)  # (B or 1, rows / block_q, nk)
+        full.append(_per_block(all_h, block_q, block_k, "amin") == 1)
+    kinds = (torch.cat(hidden, 1), torch.cat(full, 1)) if hidden else \
+        (torch.zeros(1, 0, -(-S // block_k), dtype=torch.bool, device=device),) * 2
+    _mod_maps[key] = (weakref.ref(mask.mask_mod), kinds)
+    while len(_mod_maps) > 32:
+        _mod_maps.popitem(last=False)
+    return kinds
+
+
+def _per_block(values: Tensor, block_q: int, block_k: int, how: str) -> Tensor:
+    """(B, R, S) -> (B, ceil(R / block_q), ceil(S / block_k)): the min or max of each tile."""
+    B, R, S = values.shape
+    per_key = _per_tile(values.reshape(B * R, S), block_k, how).view(B, R, -1)  # (B, R, nk)
+    per_tile = _per_tile(per_key.transpose(1, 2).reshape(-1, R), block_q, how)  # (B·nk, nq)
+    return per_tile.view(B, -1, per_tile.shape[1]).transpose(1, 2)  # (B, nq, nk)
 
 
 def _per_tile(values: Tensor, block: int, how: str) -> Tensor:

@@ -12,8 +12,9 @@ Positions count real tokens only (``cumsum(mask) - 1``, 0 on padding), padding k
 never attended to, so a padded row computes exactly what the prompt would alone.
 
 Decoding. :meth:`GPT.new_cache` preallocates one :class:`~selfattn.kv_cache.KVCache` per
-layer; a forward with ``cache=`` runs only the new tokens and appends their keys and
-values. :meth:`GPT.generate` prefills the prompt once and then feeds one token per step.
+layer (a :class:`~selfattn.kv_cache.RollingKVCache` of ``window`` slots for sliding-window
+models); a forward with ``cache=`` runs only the new tokens and appends their keys and values.
+:meth:`GPT.generate` prefills the prompt once and then feeds one token per step.
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ from torch import Tensor, nn
 
 from selfattn import _validate, backends
 from selfattn.attention import SelfAttention
-from selfattn.kv_cache import KVCache
+from selfattn.kv_cache import KVCache, RollingKVCache
 from selfattn.sampling import check_sampling, next_token
 
 
@@ -41,21 +42,28 @@ class GPTConfig:
     n_kv_head: int | None = None  # Hkv key/value heads (GQA; 1 = MQA); None = n_head
     bias: bool = False  # biases in every Linear and LayerNorm (GPT-2: True)
     dropout: float = 0.0  # on embeddings, attention weights and residual branches, training only
-    pos: str = "learned"  # "learned" absolute position embeddings (GPT-2), or "rope" (rotary, in attention)
+    pos: str = "learned"  # "learned" absolute position embeddings (GPT-2), "rope" (rotary), or "none" (e.g. with alibi)
     rope_base: float = 10000.0  # RoPE frequency base, used with pos="rope"
     window: int | None = None  # sliding-window attention: each token sees its `window` most recent tokens
-    backend: str = "auto"  # attention backend: "auto", "math", "sdpa", "tiled", "triton"
+    sink_tokens: int | None = None  # with a window: the first n tokens stay visible to every token (StreamingLLM)
+    alibi: bool = False  # ALiBi distance biases with the paper's slopes (BLOOM, MPT; with pos="none")
+    softcap: float | None = None  # attention scores soft-capped to softcap * tanh(score / softcap) (Gemma 2)
+    sinks: bool = False  # one learned sink logit per head in every softmax's denominator (gpt-oss)
+    backend: str = "auto"  # attention backend: "auto", "math", "sdpa", "tiled", "flex", "triton"
     mlp: bool = True  # False = attention-only transformer: blocks without MLP and ln_2
     layer_norm_eps: float = 1e-5  # LayerNorm epsilon (GPT-2: 1e-5)
     gelu_approximate: str = "tanh"  # GELU in the MLP: "tanh" (GPT-2's "gelu_new") or "none" (exact erf)
 
     def __post_init__(self):
         _validate.positive_ints(vocab_size=self.vocab_size, block_size=self.block_size, n_layer=self.n_layer)
-        if self.pos not in ("learned", "rope"):
-            raise ValueError(f"pos must be 'learned' or 'rope', got {self.pos!r}")
+        if self.pos not in ("learned", "rope", "none"):
+            raise ValueError(f"pos must be 'learned', 'rope' or 'none', got {self.pos!r}")
         if self.gelu_approximate not in ("tanh", "none"):
             raise ValueError(f"gelu_approximate must be 'tanh' or 'none', got {self.gelu_approximate!r}")
         _validate.positive_number("layer_norm_eps", self.layer_norm_eps)
+        if self.alibi and self.sink_tokens:
+            raise ValueError("alibi with sink_tokens is not supported: the rolling cache keeps the sinks next to the "
+                             "window, so their index distance is not their position distance that ALiBi needs")
         backends.resolve(self.backend)  # raises on an unknown name; head sizes are checked by SelfAttention
 
 
@@ -82,15 +90,17 @@ class Block(nn.Module):
         self.ln_1 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_eps, bias=config.bias)
         self.attn = SelfAttention(config.n_embd, config.n_head, n_kv_head=config.n_kv_head, bias=config.bias,
                                   dropout=config.dropout, rope=config.pos == "rope", rope_base=config.rope_base,
-                                  window=config.window, backend=config.backend)
+                                  window=config.window, sink_tokens=config.sink_tokens, alibi=config.alibi,
+                                  softcap=config.softcap, sinks=config.sinks, backend=config.backend)
         self.ln_2 = self.mlp = None
         if config.mlp:
             self.ln_2 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_eps, bias=config.bias)
             self.mlp = MLP(config)
 
     def forward(self, x: Tensor, *, key_padding_mask: Tensor | None = None, positions: Tensor | None = None,
-                cache: KVCache | None = None) -> Tensor:
-        x = x + self.attn(self.ln_1(x), key_padding_mask=key_padding_mask, positions=positions, cache=cache)
+                cache: KVCache | None = None, prefix_len: int | Tensor | None = None) -> Tensor:
+        x = x + self.attn(self.ln_1(x), key_padding_mask=key_padding_mask, positions=positions, cache=cache,
+                          prefix_len=prefix_len)
         if self.mlp is not None:
             x = x + self.mlp(self.ln_2(x))
         return x
@@ -151,31 +161,49 @@ class GPT(nn.Module):
                 module.weight.data = module.weight.data.t().contiguous().t()  # (out, in) with strides (1, out)
         return self
 
-    def new_cache(self, batch_size: int, max_len: int | None = None) -> list[KVCache]:
-        """One empty :class:`KVCache` per layer for ``batch_size`` rows and up to ``max_len``
-        positions (default and maximum ``block_size``), in the model's dtype and device."""
-        max_len = self.config.block_size if max_len is None else max_len
-        _validate.positive_ints(batch_size=batch_size, max_len=max_len)
-        if max_len > self.config.block_size:
-            raise ValueError(f"max_len={max_len} exceeds block_size={self.config.block_size}")
-        w = self.wte.weight
+    @property
+    def max_positions(self) -> int | None:
+        """The longest sequence the model can read: ``block_size`` with learned positions, None
+        (no limit) for a sliding-window model without them (RoPE or none), which decodes with a
+        rolling cache."""
+        return None if self.config.window is not None and self.wpe is None else self.config.block_size
+
+    def new_cache(self, batch_size: int, max_len: int | None = None) -> list[KVCache | RollingKVCache]:
+        """One empty cache per layer for ``batch_size`` rows, in the model's dtype and device: a
+        :class:`KVCache` of up to ``max_len`` positions (default and maximum ``block_size``), or
+        for a sliding-window model a :class:`RollingKVCache` of ``window`` (+ sink) slots, which
+        takes any number of positions (``max_len`` is then ignored)."""
+        _validate.positive_int("batch_size", batch_size)
+        w, cfg = self.wte.weight, self.config
+        if cfg.window is not None:
+            return [RollingKVCache(batch_size, block.attn.n_kv_head, cfg.window, block.attn.head_dim,
+                                   sink_tokens=cfg.sink_tokens or 0, dtype=w.dtype, device=w.device)
+                    for block in self.blocks]
+        max_len = cfg.block_size if max_len is None else _validate.positive_int("max_len", max_len)
+        if max_len > cfg.block_size:
+            raise ValueError(f"max_len={max_len} exceeds block_size={cfg.block_size}")
         return [KVCache(batch_size, block.attn.n_kv_head, max_len, block.attn.head_dim, dtype=w.dtype, device=w.device)
                 for block in self.blocks]
 
     def forward(self, idx: Tensor, targets: Tensor | None = None, *, attention_mask: Tensor | None = None,
-                cache: Sequence[KVCache] | None = None) -> tuple[Tensor, Tensor | None]:
+                cache: Sequence[KVCache] | None = None,
+                prefix_len: int | Tensor | None = None) -> tuple[Tensor, Tensor | None]:
         """Logits ``(B, T, V)`` for token ids ``idx`` ``(B, T)``, and the mean cross-entropy
         against ``targets`` ``(B, T)`` (positions with -100 ignored) when given, else None.
 
         attention_mask: ``(B, S)`` bool or 0/1 ints over every position, cached ones
             included (S = cached + T); 0 marks padding. Pass it on every call of a sequence.
         cache: from :meth:`new_cache`; the T tokens continue the cached ones.
+        prefix_len: prefix-LM, an int or ``(B,)``: the first P positions attend bidirectionally.
         """
         self._check_idx(idx)
         B, T = idx.shape
         past = self._check_cache(cache, B, T)
         mask = None if attention_mask is None else self._check_attention_mask(attention_mask, B, past + T, idx.device)
-        logits = self.lm_head(self._hidden(idx, mask, cache, past))  # (B, T, V)
+        if mask is not None and self.config.sink_tokens and not bool(mask.all()):
+            raise ValueError("sink_tokens are the first positions of the sequence, and left padding would make them "
+                             "padding: run padded prompts separately, or pad on the right")
+        logits = self.lm_head(self._hidden(idx, mask, cache, past, prefix_len))  # (B, T, V)
         if targets is None:
             return logits, None
         if not isinstance(targets, Tensor) or targets.shape != idx.shape or not _validate.is_integer(targets):
@@ -185,7 +213,8 @@ class GPT(nn.Module):
         loss = F.cross_entropy(logits.flatten(0, 1).to(work), targets.flatten(), ignore_index=-100)  # (B·T, V)
         return logits, loss
 
-    def _hidden(self, idx: Tensor, mask: Tensor | None, cache: Sequence[KVCache] | None, past: int) -> Tensor:
+    def _hidden(self, idx: Tensor, mask: Tensor | None, cache: Sequence[KVCache] | None, past: int,
+                prefix_len: int | Tensor | None = None) -> Tensor:
         """The final hidden states ``(B, T, C)`` after ``ln_f``; inputs already validated."""
         T = idx.shape[1]
         if mask is None:
@@ -198,7 +227,8 @@ class GPT(nn.Module):
         x = self.drop(x)
         rope_positions = positions if self.wpe is None else None
         for i, block in enumerate(self.blocks):
-            x = block(x, key_padding_mask=mask, positions=rope_positions, cache=None if cache is None else cache[i])
+            x = block(x, key_padding_mask=mask, positions=rope_positions, cache=None if cache is None else cache[i],
+                      prefix_len=prefix_len)
         return self.ln_f(x)
 
     def generate(self, idx: Tensor, max_new_tokens: int, *, temperature: float = 1.0, top_k: int | None = None,
@@ -217,7 +247,8 @@ class GPT(nn.Module):
         Arguments are checked here, before the first step. Decoding runs under
         ``torch.inference_mode`` in the model's current train/eval mode (call ``model.eval()``
         first when dropout is on). The prompt plus all but the last new token must fit in
-        ``block_size``.
+        ``block_size``, except for sliding-window models without learned positions
+        (:attr:`max_positions` None), which decode through a rolling cache for as long as asked.
         """
         self._check_idx(idx)
         B, T = idx.shape
@@ -226,7 +257,7 @@ class GPT(nn.Module):
         if eos_token is not None and (not isinstance(eos_token, int) or not 0 <= eos_token < self.config.vocab_size):
             raise ValueError(f"eos_token must be a token id in [0, {self.config.vocab_size}), got {eos_token!r}")
         total = T + max_new_tokens - 1  # positions the model sees: the last new token is never fed back
-        if total > self.config.block_size:
+        if self.max_positions is not None and total > self.max_positions:
             raise ValueError(f"prompt of {T} tokens + {max_new_tokens} new tokens needs {total} positions, "
                              f"more than block_size={self.config.block_size}")
         mask = None
@@ -283,7 +314,7 @@ class GPT(nn.Module):
         past = 0
         if cache is not None:
             if not isinstance(cache, Sequence) or len(cache) != len(self.blocks) or \
-                    not all(isinstance(c, KVCache) for c in cache):
+                    not all(isinstance(c, (KVCache, RollingKVCache)) for c in cache):
                 raise TypeError(f"cache must be the list of {len(self.blocks)} KVCache from model.new_cache(), "
                                 f"got {type(cache).__name__}")
             head = cache[0]
@@ -292,10 +323,10 @@ class GPT(nn.Module):
                                  f"this call has batch {B} and the model is {self.wte.weight.dtype} "
                                  f"on {self.wte.weight.device}")
             past = head.length
-            if past + T > head.max_len:
+            if head.max_len is not None and past + T > head.max_len:
                 raise ValueError(f"cache overflow: {past} cached + {T} new tokens > max_len={head.max_len}; "
                                  f"use a larger cache or reset() it")
-        if past + T > self.config.block_size:
+        if self.max_positions is not None and past + T > self.max_positions:
             raise ValueError(f"sequence of {past + T} tokens ({past} cached + {T} new) is longer than "
                              f"block_size={self.config.block_size}")
         return past

@@ -74,10 +74,15 @@ def check_sampling(temperature, top_k, top_p) -> None:
 
 def stream(model, ids: list[int], max_new_tokens: int, **sampling) -> Iterator[int]:
     """New tokens of ``model`` (a :class:`~selfattn.model.GPT`) one at a time after ``ids``.
-    Past ``block_size`` the context slides: it is cut to its last half and read again."""
+    Past ``block_size`` the context slides: it is cut to its last half and read again (a model
+    without a position limit, ``max_positions`` None, just goes on)."""
+    device = model.wte.weight.device
+    if model.max_positions is None:
+        for token in model.generate(torch.tensor([list(ids)], device=device), max_new_tokens, **sampling):
+            yield int(token)
+        return
     block = model.config.block_size
     context = list(ids)
-    device = model.wte.weight.device
     remaining = max_new_tokens
     while remaining > 0:
         if len(context) >= block:

@@ -13,7 +13,7 @@ position of any sequence function, by two complementary methods:
   so it finds leaks too small for float32 rounding to show and names every leaking pair.
 
 Either way the result is a T×T dependence matrix (row = output, column = input); a leak is
-a pair above ``atol`` that the rule forbids (``j > i``, or with ``window=W`` also
+a pair above ``atol`` that the declared rule forbids (``j > i``, or with ``window=W`` also
 ``j <= i - W``). :func:`selfattn.audit.cache.check_cache` checks the other place causality bugs hide: cached
 decoding against the full forward, step by step and layer by layer.
 
@@ -37,6 +37,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor, nn
 
+from selfattn import _validate
 from selfattn.masks import Mask
 
 METHODS = ("perturb", "jacobian", "both")
@@ -58,6 +59,8 @@ class CausalityReport:
     positions: tuple[int, ...]  # the input positions that were checked
     atol: float  # dependence up to this size counts as none
     window: int | None  # the allowed window, or None for plain causality
+    sink_tokens: int | None  # with the window: inputs below this stay allowed (StreamingLLM)
+    prefix_len: int | None  # prefix-LM: every output may depend on the first prefix_len inputs
     dependence: dict[str, Tensor]  # method -> (T, T) float64, [i, j] = output i vs input j; NaN: unmeasured
     #   (column not in positions) or not finite
     leaks: tuple[Leak, ...]  # every forbidden pair above atol: perturb first, each method largest first
@@ -77,7 +80,9 @@ class CausalityReport:
 
     def __str__(self) -> str:
         methods = " + ".join(self.dependence)
-        rule = "causal" if self.window is None else f"causal, window={self.window}"
+        rule = ", ".join(["causal"] + [f"{n}={v}" for n, v in (("window", self.window),
+                                                                ("sink_tokens", self.sink_tokens),
+                                                                ("prefix_len", self.prefix_len)) if v is not None])
         lines = [f"causality check ({methods}; {rule}; T={self.T}, atol={self.atol:g}): "
                  + ("ok" if self.ok else "LEAK" if self.leaks else "NON-FINITE")]
         lines.append("  max dependence on a forbidden input: "
@@ -100,7 +105,7 @@ class CausalityReport:
         allowed input, '!' a leak, '.' none, '?' not finite, ' ' column not checked."""
         if self.T > PICTURE_MAX_T:
             return [f"  (no picture for T={self.T} > {PICTURE_MAX_T})"]
-        allowed = _allowed(self.T, self.window)  # (T, T)
+        allowed = _allowed(self.T, self.window, self.sink_tokens, self.prefix_len)  # (T, T)
         deps = torch.stack(list(self.dependence.values()))  # (methods, T, T)
         moved = (deps > self.atol).any(0)  # (T, T)
         unknown = deps.isnan().any(0) & ~moved  # (T, T)
@@ -116,7 +121,8 @@ class CausalityReport:
 
 
 def check_causal(fn: Callable, example: Tensor, *, method: str = "both", positions: Iterable[int] | None = None,
-                 atol: float = 0.0, window: int | None = None, embedding: nn.Module | None = None) -> CausalityReport:
+                 atol: float = 0.0, window: int | None = None, sink_tokens: int | None = None,
+                 prefix_len: int | None = None, embedding: nn.Module | None = None) -> CausalityReport:
     """Audit that every output of ``fn`` depends only on inputs it may see.
 
     fn: maps ``example`` ``(B, T, ...)`` to ``(B, T, ...)`` along dim 1: an ``nn.Module`` on
@@ -128,7 +134,10 @@ def check_causal(fn: Callable, example: Tensor, *, method: str = "both", positio
     method: ``"perturb"``, ``"jacobian"`` or ``"both"`` (see the module docstring).
     positions: input positions to check (default: all T).
     atol: the largest change (perturb) or projected derivative (jacobian) that counts as none.
-    window: also forbid inputs ``j <= i - window`` (one sliding-window attention layer).
+    window: also forbid inputs ``j <= i - window`` (one sliding-window attention layer);
+        ``sink_tokens``: except the first ``sink_tokens`` inputs, which stay allowed.
+    prefix_len: prefix-LM: also allow every output to depend on inputs ``j < prefix_len`` (a
+        bidirectional prefix); anything beyond that set is still a leak.
     embedding: the input embedding of a module on token ids, when it is neither
         ``fn.get_input_embeddings()`` nor ``fn.wte``.
 
@@ -148,6 +157,9 @@ def check_causal(fn: Callable, example: Tensor, *, method: str = "both", positio
         raise ValueError(f"atol must be a number >= 0, got {atol!r}")
     if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window <= 0):
         raise ValueError(f"window must be a positive int or None, got {window!r}")
+    sink_tokens = _validate.sink_tokens(sink_tokens, window)
+    if prefix_len is not None:
+        _validate.prefix_len(prefix_len, 1, T, True, window, None)
     ids = not example.is_floating_point()
     emb_name = input_embedding_name(fn, embedding) if ids else None
 
@@ -162,7 +174,7 @@ def check_causal(fn: Callable, example: Tensor, *, method: str = "both", positio
                             "(get_input_embeddings(), a .wte, or pass embedding=); or use method='perturb'")
         dependence["jacobian"], bad = _jacobian(fn, example, positions, emb_name)
         nonfinite.update(bad)
-    return _report(dependence, positions, float(atol), window, tuple(sorted(nonfinite)))
+    return _report(dependence, positions, float(atol), (window, sink_tokens, prefix_len), tuple(sorted(nonfinite)))
 
 
 def hf_adapter(model: nn.Module) -> nn.Module:
@@ -268,10 +280,10 @@ def _jacobian(fn: Callable, x: Tensor, positions: tuple[int, ...], emb_name: str
 
 # --- the report ------------------------------------------------------------------------------
 
-def _report(dependence: dict[str, Tensor], positions: tuple[int, ...], atol: float, window: int | None,
+def _report(dependence: dict[str, Tensor], positions: tuple[int, ...], atol: float, rule: tuple,
             nonfinite: tuple[int, ...]) -> CausalityReport:
     T = next(iter(dependence.values())).shape[0]
-    forbidden = ~_allowed(T, window)  # (T, T)
+    forbidden = ~_allowed(T, *rule)  # (T, T)
     leaks, max_leak = [], {}
     dead = set(positions)
     for name, dep in dependence.items():
@@ -282,13 +294,15 @@ def _report(dependence: dict[str, Tensor], positions: tuple[int, ...], atol: flo
         leaks += sorted(found, key=lambda leak: -leak.size)
         moved = dep.nan_to_num(nan=math.inf).tril() > atol  # (T, T) output i >= j moved with input j
         dead -= {j for j in positions if moved[:, j].any()}
-    return CausalityReport(T=T, positions=positions, atol=atol, window=window, dependence=dependence,
+    return CausalityReport(T=T, positions=positions, atol=atol, window=rule[0], sink_tokens=rule[1],
+                           prefix_len=rule[2], dependence=dependence,
                            leaks=tuple(leaks), max_leak=max_leak, dead=tuple(sorted(dead)), nonfinite=nonfinite)
 
 
-def _allowed(T: int, window: int | None) -> Tensor:
+def _allowed(T: int, window: int | None, sink_tokens: int | None = None, prefix_len: int | None = None) -> Tensor:
     """(T, T) bool, True where output i may depend on input j: the one mask predicate."""
-    return Mask(causal=True, window=window).dense(T, T)[0, 0]
+    prefix = None if prefix_len is None else torch.tensor([prefix_len])
+    return Mask(causal=True, window=window, sink_tokens=sink_tokens, prefix_len=prefix).dense(T, T)[0, 0]
 
 
 # --- helpers ---------------------------------------------------------------------------------

@@ -23,7 +23,13 @@ from selfattn.audit.causality import CausalityReport, check_causal, input_embedd
 from selfattn.masks import Mask
 from selfattn.model import GPT, GPTConfig
 
-OPTIONS = {  # case name -> SelfAttention keywords; "padding" and "documents" add forward keywords
+
+def dilated(b, h, q_idx, kv_idx):
+    """A mask_mod for the audit: every other key, and always the query's own position."""
+    return ((q_idx - kv_idx) % 2 == 0) | (h == 0)
+
+
+OPTIONS = {  # case name -> SelfAttention keywords; "padding", "documents", "prefix" add forward keywords
     "plain": {},
     "gqa": {"n_kv_head": 2},
     "mqa": {"n_kv_head": 1},
@@ -32,12 +38,20 @@ OPTIONS = {  # case name -> SelfAttention keywords; "padding" and "documents" ad
     "gqa+rope+window": {"n_kv_head": 2, "rope": True, "window": 4},
     "padding": {},
     "documents": {},
+    "window+sink-tokens": {"window": 4, "sink_tokens": 2},
+    "prefix": {},
+    "alibi": {"alibi": True},
+    "softcap": {"softcap": 2.0},
+    "sinks": {"sinks": True},
+    "mask_mod": {"mask_mod": dilated},
 }
+PREFIX = 5  # the prefix of the "prefix" case: positions 0..4 attend to each other
 
 
 class Case(NamedTuple):
     name: str
     run: Callable[[], CausalityReport | CacheReport]
+    refused: str | None = None  # why the backend cannot serve this case (then it is not run)
 
 
 def skipped(device: torch.device) -> dict[str, str]:
@@ -51,7 +65,7 @@ def builtin_cases(T: int, audit: dict, device: torch.device, B: int = 2, C: int 
     pad = torch.ones(B, T, dtype=torch.bool, device=device)
     pad[:, :2] = False  # two left-padding positions in every row: they must be dead
     docs = (torch.arange(T, device=device) >= T // 3).long().expand(B, T)  # (B, T) two packed documents
-    extra = {"padding": {"key_padding_mask": pad}, "documents": {"doc_ids": docs}}
+    extra = {"padding": {"key_padding_mask": pad}, "documents": {"doc_ids": docs}, "prefix": {"prefix_len": PREFIX}}
     for backend in (name for name in backends.NAMES if name not in skipped(device)):
         method = audit["method"]
         if method != "perturb" and _refuses_float64(backend, device, C // H):
@@ -59,7 +73,11 @@ def builtin_cases(T: int, audit: dict, device: torch.device, B: int = 2, C: int 
         for option, kwargs in OPTIONS.items():
             attn = SelfAttention(C, H, backend=backend, **kwargs).to(device)
             fn = _With(attn, **extra[option]) if option in extra else attn
-            yield _causal(f"{backend} {option}", fn, x, {**audit, "method": method}, kwargs.get("window"))
+            rule = dict(window=kwargs.get("window"), sink_tokens=kwargs.get("sink_tokens"),
+                        prefix_len=PREFIX if option == "prefix" else None)
+            refused = _refusal(fn, x)
+            case = _causal(f"{backend} {option}", fn, x, {**audit, "method": method}, **rule)
+            yield case._replace(refused=refused) if refused else case
     for name, kwargs in (("gpt", {}), ("gpt rope+gqa+window", {"pos": "rope", "n_kv_head": 2, "window": 4})):
         gpt = GPT(GPTConfig(vocab_size=64, block_size=max(64, T), n_layer=2, n_head=H, n_embd=C, **kwargs))
         yield from model_cases(name, gpt, T, audit)
@@ -105,8 +123,20 @@ def load_factory(spec: str) -> Callable:
     return factory
 
 
-def _causal(name: str, fn: Callable, example: Tensor, audit: dict, window: int | None = None) -> Case:
-    return Case(name, lambda: check_causal(fn, example, window=window, **audit))
+def _causal(name: str, fn: Callable, example: Tensor, audit: dict, window: int | None = None, **rule) -> Case:
+    return Case(name, lambda: check_causal(fn, example, window=window, **rule, **audit))
+
+
+def _refusal(fn: Callable, x: Tensor) -> str | None:
+    """Why the module's backend refuses this case (asked by one forward without gradients), or None."""
+    try:
+        with torch.no_grad():
+            fn(x)
+    except ValueError as e:
+        if "cannot serve this request" not in str(e):
+            raise
+        return str(e).split(": ", 1)[1]
+    return None
 
 
 def _refuses_float64(backend: str, device: torch.device, head_dim: int) -> bool:

@@ -24,6 +24,7 @@ from torch import Tensor
 
 from selfattn.backends import auto
 from selfattn.masks import Mask
+from selfattn.scores import Scores
 
 NAMES = ("math", "sdpa", "tiled", "flex", "triton")
 
@@ -38,26 +39,29 @@ class Backend(Protocol):
     def available(self, device: torch.device) -> str | None:
         """Why this backend cannot run on ``device`` on this machine, or None when it can."""
 
-    def unsupported(self, q: Tensor, k: Tensor, v: Tensor, mask: Mask, dropout_p: float) -> str | None:
-        """Why this backend cannot serve this request (dtype, head size, device, ...), or None."""
+    def unsupported(self, q: Tensor, k: Tensor, v: Tensor, mask: Mask, dropout_p: float,
+                    scores: Scores | None = None) -> str | None:
+        """Why this backend cannot serve this request (dtype, head size, device, score rules, ...), or None."""
 
-    def run(self, q: Tensor, k: Tensor, v: Tensor, mask: Mask, *, scale: float, dropout_p: float) -> Tensor:
-        """The attention output."""
+    def run(self, q: Tensor, k: Tensor, v: Tensor, mask: Mask, *, scale: float, dropout_p: float,
+            scores: Scores | None = None) -> Tensor:
+        """The attention output; ``scores`` (None: plain) as :mod:`selfattn.scores` defines them."""
 
 
 def resolve(name: str, *, q: Tensor | None = None, k: Tensor | None = None, v: Tensor | None = None,
-            mask: Mask | None = None, dropout_p: float = 0.0, return_weights: bool = False) -> str:
+            mask: Mask | None = None, dropout_p: float = 0.0, return_weights: bool = False,
+            scores: Scores | None = None) -> str:
     """The backend that serves ``name``; ``"auto"`` is decided by :mod:`selfattn.backends.auto`
-    from the request (q, k, v, mask, dropout_p, return_weights) when it is given."""
+    from the request (q, k, v, mask, dropout_p, return_weights, scores) when it is given."""
     if name == "auto":
-        for candidate in auto.candidates(q, k, v, mask, dropout_p, return_weights):
+        for candidate in auto.candidates(q, k, v, mask, dropout_p, return_weights, scores):
             try:
                 backend = load(candidate)
             except ImportError:  # an optional extra that is not installed
                 continue
-            if q is None or backend.unsupported(q, k, v, mask, dropout_p) is None:
+            if q is None or backend.unsupported(q, k, v, mask, dropout_p, scores) is None:
                 return candidate
-        return "sdpa"
+        return "math"
     if name not in NAMES:
         raise ValueError(f"unknown attention backend {name!r}; choose one of {('auto',) + NAMES}")
     return name

@@ -21,7 +21,11 @@ the README has the tables):
      padding (1.2x) and windows of at most ``FLEX_WINDOW`` = 256 keys (1.14-1.22x; at
      windows of 512, 1024 and 2048 tiled was 1.15-1.2x faster): ``flex``;
    - otherwise ``tiled`` (forward+backward: 6-21x faster than SDPA with a dense mask).
-5. On a CUDA device (not measured by this project yet): plain causal ``sdpa``; other masks
+5. Scores changed before the softmax (ALiBi, soft-capping, a ``score_mod``) or learned sinks
+   (not measured yet): ``flex`` for large requests it can serve (forward only on a CPU) when
+   compiling is allowed, else ``tiled`` (which serves every rule), ``sdpa`` only for what is a
+   dense additive bias, ``math`` last.
+6. On a CUDA device (not measured by this project yet): plain causal ``sdpa``; other masks
    ``flex`` when compiling is allowed, else ``triton`` when it is installed, else ``tiled``.
 
 Each candidate is asked (``unsupported``) before it is chosen; the next one serves when it
@@ -38,6 +42,7 @@ from torch import Tensor
 
 from selfattn.backends import tiled
 from selfattn.masks import Mask
+from selfattn.scores import Scores
 
 SMALL = 2 ** 17  # T·S up to this: sdpa with a dense mask (rule 3)
 DENSE = 0.8  # block-map density above this: sdpa with a dense mask (rule 4)
@@ -53,7 +58,7 @@ def allow_compile(enabled: bool) -> None:
 
 
 def candidates(q: Tensor | None, k: Tensor | None, v: Tensor | None, mask: Mask | None, dropout_p: float,
-               return_weights: bool) -> list[str]:
+               return_weights: bool, scores: Scores | None = None) -> list[str]:
     """The backends for this request, best first (see the module docstring); the caller takes the
     first that is installed and does not refuse. q, k, v and mask arrive validated (or None:
     no request, just the name)."""
@@ -62,8 +67,13 @@ def candidates(q: Tensor | None, k: Tensor | None, v: Tensor | None, mask: Mask 
     if q is None or mask is None:
         return ["sdpa"]
     T, S = q.shape[2], k.shape[2]
-    if not mask.per_batch and (mask.window is None or mask.window >= S):  # a window >= S is plain causal
-        return ["sdpa"]
+    if scores is not None and not scores.is_plain:  # ALiBi, soft-capping, sinks, a score_mod (rule 5)
+        grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+        flex_serves = (q.device.type == "cuda" or not grad) and dropout_p == 0.0 and _compile and T * S > SMALL
+        return ["flex"] * flex_serves + ["tiled", "sdpa", "math"]
+    if mask.plain_causal or mask.is_full or (not mask.per_batch and mask.prefix_len is None
+                                             and mask.window is not None and mask.window >= S):
+        return ["sdpa"]  # a window >= S is plain causal
     if T * S <= SMALL or mask.blocks(T, S, *tiled.tile_sizes(mask)).density() > DENSE:
         return ["sdpa"]
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))

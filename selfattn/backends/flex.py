@@ -11,9 +11,11 @@ with ``p = q + S - T``, the query's position in key coordinates. Block masks are
 mask tensors and shape; ``flex_attention`` is compiled once (``torch.compile``, static shapes:
 every new shape compiles again, seconds on a CPU) and reused.
 
-What it serves: float32, float16 and bfloat16 (float64 only on a GPU), GQA, every mask rule,
-rows that see nothing (zeros). No dropout. On a CPU this torch build compiles the forward only:
-a request that needs gradients there is refused, with the reason, through :func:`unsupported`.
+What it serves: float32, float16 and bfloat16 (float64 only on a GPU), GQA, every mask rule
+(a ``mask_mod`` included), every score rule but sinks (ALiBi, soft-capping and a ``score_mod``
+become FlexAttention's ``score_mod``), rows that see nothing (zeros). No dropout, no sinks.
+On a CPU this torch build compiles the forward only: a request that needs gradients there is
+refused, with the reason, through :func:`unsupported`.
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ import torch
 from torch import Tensor
 
 from selfattn.masks import FULL, PARTIAL, BlockMap, Mask
+from selfattn.scores import Scores
 
 RETURNS_WEIGHTS = False
 BLOCK = 128  # FlexAttention's tile: the block map is computed at this size
@@ -46,9 +49,12 @@ def available(device: torch.device) -> str | None:
     return None
 
 
-def unsupported(q: Tensor, k: Tensor, v: Tensor, mask: Mask, dropout_p: float) -> str | None:
+def unsupported(q: Tensor, k: Tensor, v: Tensor, mask: Mask, dropout_p: float,
+                scores: Scores | None = None) -> str | None:
     if dropout_p > 0.0:
         return f"FlexAttention has no dropout (dropout_p={dropout_p}); use 'tiled' or 'sdpa'"
+    if scores is not None and scores.sinks is not None:
+        return "FlexAttention has no sink logits (a term of the softmax's denominator); use 'tiled' or 'math'"
     if q.device.type == "cpu":
         if q.dtype not in CPU_DTYPES:
             return f"FlexAttention on the CPU takes float32, float16 or bfloat16, not {q.dtype}"
@@ -58,8 +64,9 @@ def unsupported(q: Tensor, k: Tensor, v: Tensor, mask: Mask, dropout_p: float) -
     return available(q.device)
 
 
-def run(q: Tensor, k: Tensor, v: Tensor, mask: Mask, *, scale: float, dropout_p: float = 0.0) -> Tensor:
-    why = unsupported(q, k, v, mask, dropout_p)
+def run(q: Tensor, k: Tensor, v: Tensor, mask: Mask, *, scale: float, dropout_p: float = 0.0,
+        scores: Scores | None = None) -> Tensor:
+    why = unsupported(q, k, v, mask, dropout_p, scores)
     if why:
         raise ValueError(f"backend 'flex' cannot serve this request: {why}")
     B, H, T, _ = q.shape
@@ -70,8 +77,9 @@ def run(q: Tensor, k: Tensor, v: Tensor, mask: Mask, *, scale: float, dropout_p:
     if extra:  # hidden keys appended: the mask_mod hides every key index >= S
         k, v = (torch.nn.functional.pad(t, (0, 0, 0, extra)) for t in (k, v))  # (B, Hkv, S + extra, D)
     blocks = block_mask(mask, B, T, S, q.device)
+    modify = None if scores is None or not scores.modifies else score_mod(scores, T, S)
     with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):  # each new shape compiles anew
-        return _flex()(q, k, v, blocks, scale, H != k.shape[1])  # (B, H, T, D)
+        return _flex()(q, k, v, blocks, scale, H != k.shape[1], modify)  # (B, H, T, D)
 
 
 def _extra_keys(S: int, device: torch.device) -> int:
@@ -106,37 +114,53 @@ def block_mask(mask: Mask, B: int, T: int, S: int, device: torch.device):
     return made
 
 
+def score_mod(scores: Scores, T: int, S: int):
+    """FlexAttention's ``score_mod(score, b, h, q_idx, kv_idx)`` for our score rules (query index
+    q_idx is 0..T-1; it sits at key position q_idx + S - T)."""
+    offset = S - T
+
+    def modified(score, b, h, q_idx, kv_idx):
+        return scores.apply(score, b, h, q_idx + offset, kv_idx)
+    return modified
+
+
 def mask_mod(mask: Mask, T: int, S: int):
     """FlexAttention's ``mask_mod(b, h, q_idx, kv_idx) -> bool`` for ``mask`` (query index q_idx
     is 0..T-1; it sits at key position q_idx + S - T)."""
-    offset, window = S - T, mask.window
+    offset, window, sinks = S - T, mask.window, mask.sink_tokens
     causal = mask.causal or window is not None
-    pad, docs = mask.key_padding_mask, mask.doc_ids
+    pad, docs, prefix, user = mask.key_padding_mask, mask.doc_ids, mask.prefix_len, mask.mask_mod
 
     def visible(b, h, q_idx, kv_idx):
         p = q_idx + offset
         ok = kv_idx <= p if causal else kv_idx < S  # (keys from S on are appended ones: see _extra_keys)
+        if prefix is not None:
+            ok = ok | (kv_idx < prefix[b if len(prefix) > 1 else 0])
         if window is not None:
-            ok = ok & (kv_idx > p - window)
+            recent = kv_idx > p - window
+            ok = ok & (recent | (kv_idx < sinks) if sinks else recent)
         if pad is not None:
             ok = ok & pad[b, kv_idx.clamp(max=S - 1)]
         if docs is not None:
             ok = ok & (docs[b, p] == docs[b, kv_idx.clamp(max=S - 1)])
+        if user is not None:
+            ok = ok & user(b, h, p, kv_idx)
         return ok
     return visible
 
 
-def _key(mask: Mask, B: int, T: int, S: int, device: torch.device) -> tuple[tuple, tuple[Tensor, ...]]:
-    """(cache key, the mask's tensors): a hit must also find the very same tensors alive."""
-    tensors = tuple(t for t in (mask.key_padding_mask, mask.doc_ids) if t is not None)
-    ids = tuple((id(t), t._version) for t in tensors)
-    return (mask.causal, mask.window, mask.key_padding_mask is not None, B, T, S, str(device), ids), tensors
+def _key(mask: Mask, B: int, T: int, S: int, device: torch.device) -> tuple[tuple, tuple]:
+    """(cache key, the mask's tensors and function): a hit must also find the very same ones alive."""
+    parts = (mask.key_padding_mask, mask.doc_ids, mask.prefix_len, mask.mask_mod)
+    alive = tuple(t for t in parts if t is not None)
+    ids = tuple((id(t), getattr(t, "_version", 0)) if t is not None else None for t in parts)
+    return (mask.causal, mask.window, mask.sink_tokens, B, T, S, str(device), ids), alive
 
 
-def _attend(q: Tensor, k: Tensor, v: Tensor, block_mask, scale: float, enable_gqa: bool) -> Tensor:
+def _attend(q: Tensor, k: Tensor, v: Tensor, block_mask, scale: float, enable_gqa: bool, modify) -> Tensor:
     from torch.nn.attention.flex_attention import flex_attention
 
-    return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa)
+    return flex_attention(q, k, v, score_mod=modify, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa)
 
 
 def _flex():

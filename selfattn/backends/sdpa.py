@@ -2,7 +2,9 @@
 
 ``is_causal=True`` is used only where it is exactly our rule (T == S, causal, nothing
 else): PyTorch aligns its causal mask top-left, which is wrong once a cache makes T < S.
-Every other request passes the explicit boolean mask from :mod:`selfattn.masks`.
+Every other request passes the explicit boolean mask from :mod:`selfattn.masks`; ALiBi, a
+dense additive bias, passes as a float mask. Other score rules (soft-capping, a score_mod,
+sinks) are not expressible to SDPA and are refused.
 """
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from torch import Tensor
 
 from selfattn.backends._common import dense_mask
 from selfattn.masks import Mask
+from selfattn.scores import Scores
 
 RETURNS_WEIGHTS = False
 
@@ -20,17 +23,27 @@ def available(device: torch.device) -> str | None:
     return None  # PyTorch's own kernel: wherever PyTorch runs
 
 
-def unsupported(q: Tensor, k: Tensor, v: Tensor, mask: Mask, dropout_p: float) -> str | None:
-    return None  # every mask as an explicit boolean mask
+def unsupported(q: Tensor, k: Tensor, v: Tensor, mask: Mask, dropout_p: float,
+                scores: Scores | None = None) -> str | None:
+    if scores is not None and (scores.softcap is not None or scores.score_mod is not None or scores.sinks is not None):
+        return ("SDPA takes a mask or an additive bias only: soft-capping, a score_mod and sinks are not expressible; "
+                "use 'tiled' or 'math'")
+    return None  # every mask as an explicit boolean mask, ALiBi as a float one
 
 
-def run(q: Tensor, k: Tensor, v: Tensor, mask: Mask, *, scale: float, dropout_p: float = 0.0) -> Tensor:
-    T, S = q.shape[2], k.shape[2]
-    plain_causal = mask.causal and mask.window is None and not mask.per_batch
+def run(q: Tensor, k: Tensor, v: Tensor, mask: Mask, *, scale: float, dropout_p: float = 0.0,
+        scores: Scores | None = None) -> Tensor:
+    H, T, S = q.shape[1], q.shape[2], k.shape[2]
+    alibi = scores is not None and scores.alibi_slopes is not None
+    is_causal = mask.plain_causal and T == S and not alibi
     attn_mask, empty = None, None
-    if not mask.is_full and not (plain_causal and T == S):
-        attn_mask, empty = dense_mask(mask, T, S, q.device)
+    if not mask.is_full and not is_causal:
+        attn_mask, empty = dense_mask(mask, T, S, q.device)  # (B or 1, H or 1, T, S) bool
+    if alibi:
+        j = torch.arange(S, device=q.device)
+        bias = -scores.alibi_slopes.to(q.dtype)[:, None, None] * (j[S - T:, None] - j[None, :]).to(q.dtype)  # (H, T, S)
+        attn_mask = bias[None] if attn_mask is None else bias[None].masked_fill(~attn_mask, float("-inf"))
     out = F.scaled_dot_product_attention(
-        q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=plain_causal and T == S,
-        scale=scale, enable_gqa=q.shape[1] != k.shape[1])  # (B, H, T, D)
+        q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+        scale=scale, enable_gqa=H != k.shape[1])  # (B, H, T, D)
     return out if empty is None else out.masked_fill(empty, 0.0)

@@ -43,6 +43,7 @@ from selfattn._seeds import stream_seed
 from selfattn._validate import positive_ints
 from selfattn.backends._common import half
 from selfattn.masks import HIDDEN, PARTIAL, Mask
+from selfattn.scores import Scores
 
 # Tile sizes: each tile costs ~10 PyTorch calls, so tiles must be large enough to hide the
 # per-call overhead, and small enough to skip what a mask hides. Plain causal: 256 x 256 was
@@ -54,6 +55,7 @@ BLOCK_Q = 256  # query rows per tile, plain causal or unmasked
 BLOCK_K = 256  # key columns per tile, plain causal or unmasked
 MASKED_BLOCK = 128  # rows and columns per tile when a window, padding or documents hide tiles
 LOG2E = 1.4426950408889634  # log2(e): scores are kept in log2 units, so exp is exp2 (3x faster on CPU)
+LN2 = 0.6931471805599453  # ln(2) = 1 / log2(e): back to natural units for the score rules
 RETURNS_WEIGHTS = False
 
 
@@ -61,8 +63,14 @@ def available(device: torch.device) -> str | None:
     return None  # plain PyTorch: wherever PyTorch runs
 
 
-def unsupported(q: Tensor, k: Tensor, v: Tensor, mask: Mask, dropout_p: float) -> str | None:
-    return None  # every mask, dtype, head size and dropout
+def unsupported(q: Tensor, k: Tensor, v: Tensor, mask: Mask, dropout_p: float,
+                scores: Scores | None = None) -> str | None:
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    if scores is not None and grad and (scores.closes_over_grad() or (scores.alibi_slopes is not None
+                                                                      and scores.alibi_slopes.requires_grad)):
+        return ("the tiled backward computes no gradient for tensors a score_mod closes over, nor for ALiBi "
+                "slopes (learned sinks do get theirs); use 'math' for that")
+    return None  # every mask, score rule, dtype, head size and dropout
 
 
 class Tile(NamedTuple):
@@ -103,11 +111,12 @@ def _tiles(kind: Tensor, T: int, S: int, block_q: int, block_k: int) -> list[Til
 
 def tile_sizes(mask: Mask) -> tuple[int, int]:
     """(block_q, block_k) for a mask: smaller tiles where a window, padding or documents hide some."""
-    return (MASKED_BLOCK, MASKED_BLOCK) if mask.window is not None or mask.per_batch else (BLOCK_Q, BLOCK_K)
+    return (BLOCK_Q, BLOCK_K) if mask.plain_causal or mask.is_full else (MASKED_BLOCK, MASKED_BLOCK)
 
 
 def run(q: Tensor, k: Tensor, v: Tensor, mask: Mask, *, scale: float, dropout_p: float = 0.0,
-        block_q: int | None = None, block_k: int | None = None, seed: int | None = None) -> Tensor:
+        scores: Scores | None = None, block_q: int | None = None, block_k: int | None = None,
+        seed: int | None = None) -> Tensor:
     """Attention of q ``(B, H, T, D)`` over k, v ``(B, Hkv, S, D)`` -> ``(B, H, T, D)``.
 
     ``block_q``, ``block_k``: tile sizes (default :func:`tile_sizes`). ``seed``: the dropout
@@ -118,12 +127,15 @@ def run(q: Tensor, k: Tensor, v: Tensor, mask: Mask, *, scale: float, dropout_p:
     positive_ints(block_q=block_q, block_k=block_k)
     if dropout_p > 0.0 and seed is None:
         seed = int(torch.randint(2 ** 62, ()).item())
-    return _TiledAttention.apply(q, k, v, mask, float(scale), float(dropout_p), seed or 0, block_q, block_k)
+    scores = scores if scores is not None else Scores()
+    sinks = scores.sinks if scores.sinks is not None else q.new_zeros(0)  # a tensor input: it may need a gradient
+    return _TiledAttention.apply(q, k, v, sinks, mask, scores, float(scale), float(dropout_p), seed or 0, block_q,
+                                 block_k)
 
 
 class _TiledAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, mask, scale, dropout_p, seed, block_q, block_k):
+    def forward(ctx, q, k, v, sinks, mask, scores, scale, dropout_p, seed, block_q, block_k):
         B, H, T, D = q.shape
         Hkv, S = k.shape[1], k.shape[2]
         work = torch.float32 if half(q.dtype) else q.dtype
@@ -133,20 +145,20 @@ class _TiledAttention(torch.autograd.Function):
         groups = plan(mask, T, S, block_q, block_k)
         out, lse = torch.empty_like(qs), qs.new_empty(B * Hkv, qs.shape[1], 1)
         for group in groups:
-            part = _Part(group, mask, B, Hkv, H // Hkv, S - T, dropout_p, seed)
+            part = _Part(group, mask, scores, B, Hkv, H // Hkv, S - T, dropout_p, seed)
             o, l = _forward(part.take(qs), part.take(kw), part.take(vw), part)
             part.put(out, o)
             part.put(lse, l)
         out = _ungroup(out, B, H, Hkv).to(q.dtype)  # (B, H, T, D)
         ctx.save_for_backward(qs, kw, vw, out, lse)
-        ctx.setup = (mask, groups, scale, dropout_p, seed, Hkv, S - T)
+        ctx.setup = (mask, scores, groups, scale, dropout_p, seed, Hkv, S - T)
         return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out):
         qs, kw, vw, out, lse = ctx.saved_tensors
-        mask, groups, scale, dropout_p, seed, Hkv, offset = ctx.setup
+        mask, scores, groups, scale, dropout_p, seed, Hkv, offset = ctx.setup
         B, H, T, D = out.shape
         S = kw.shape[1]
         grad_out = grad_out.to(qs.dtype)
@@ -154,28 +166,57 @@ class _TiledAttention(torch.autograd.Function):
         neg_d = _group((grad_out * out.to(qs.dtype)).sum(dim=3, keepdim=True).neg_(), Hkv)  # -D, (B·Hkv, T·G, 1)
         dq, dk, dv = torch.empty_like(qs), torch.empty_like(kw), torch.empty_like(vw)
         for group in groups:
-            part = _Part(group, mask, B, Hkv, H // Hkv, offset, dropout_p, seed)
+            part = _Part(group, mask, scores, B, Hkv, H // Hkv, offset, dropout_p, seed)
             grads = _backward(*(part.take(t) for t in (qs, kw, vw, lse, do, neg_d)), part)
             for full, g in zip((dq, dk, dv), grads):
                 part.put(full, g)
+        dsinks = None
+        if scores.sinks is not None and ctx.needs_input_grad[3]:  # d sink_h = -sum of p_sink · D over h's rows
+            p_sink = (_sink_logits(scores.sinks, B, Hkv, T, qs.dtype) - lse).exp2_()  # (B·Hkv, T·G, 1)
+            dsinks = (p_sink * neg_d).view(B, Hkv, T, H // Hkv).sum(dim=(0, 2)).reshape(H).to(scores.sinks.dtype)
         dq = _ungroup(dq.mul_(scale), B, H, Hkv).to(out.dtype)  # (B, H, T, D)
         dk = dk.div_(LOG2E).view(B, Hkv, S, D).to(out.dtype)  # (B, Hkv, S, D); qs carried scale·log2(e)
         dv = dv.view(B, Hkv, S, D).to(out.dtype)  # (B, Hkv, S, D)
-        return dq, dk, dv, None, None, None, None, None, None
+        return dq, dk, dv, dsinks, None, None, None, None, None, None, None
 
 
 class _Part:
     """One group of batch rows as the kernels see it: its slice of every (B·Hkv, ...) tensor,
     its mask, its tiles and its dropout streams."""
 
-    def __init__(self, group: Group, mask: Mask, B: int, Hkv: int, G: int, offset: int, dropout_p: float,
-                 seed: int):
+    def __init__(self, group: Group, mask: Mask, scores: Scores, B: int, Hkv: int, G: int, offset: int,
+                 dropout_p: float, seed: int):
         self.tiles, self.offset, self.dropout_p, self.seed = group.tiles, offset, dropout_p, seed
         self.batch = group.rows  # None: every batch row
         self.mask = mask if group.rows is None else mask.rows(group.rows)
+        self.scores = scores
         nb = B if group.rows is None else len(group.rows)
         self.heads = (nb, Hkv, G)
         self.index = None if group.rows is None else (group.rows[:, None] * Hkv + torch.arange(Hkv)).flatten()
+        self.batch_rows = torch.arange(B) if group.rows is None else group.rows  # what a score_mod sees as b
+
+    def modify(self, s: Tensor, t: Tile) -> Tensor:
+        """The score rules on a tile ``s`` (nb·Hkv, Bq·G, Bk) of log2-unit scores, in log2 units.
+        Built-ins are applied in place (ALiBi: one broadcast add; soft-capping: three in-place
+        ops); a score_mod of the user's runs on natural-unit scores and index tensors."""
+        scores, (nb, Hkv, G) = self.scores, self.heads
+        Bq, Bk = t.i1 - t.i0, t.k1 - t.k0
+        if scores.score_mod is None:
+            if scores.alibi_slopes is not None:
+                p = torch.arange(self.offset + t.i0, self.offset + t.i1, device=s.device)
+                dist = (p[:, None] - torch.arange(t.k0, t.k1, device=s.device)[None, :]).to(s.dtype)  # (Bq, Bk)
+                slopes = scores.alibi_slopes.to(s.dtype).view(1, Hkv, 1, G, 1) * -LOG2E  # -slope, log2 units
+                s.view(nb, Hkv, Bq, G, Bk).add_(slopes * dist[None, None, :, None, :])
+            if scores.softcap is not None:
+                s.mul_(LN2 / scores.softcap).tanh_().mul_(LOG2E * scores.softcap)
+            return s
+        grid = s.view(nb, Hkv, Bq, G, Bk) * LN2  # (nb, Hkv, Bq, G, Bk) natural units
+        d = s.device
+        b = self.batch_rows.to(d)[:, None, None, None, None]  # (nb, 1, 1, 1, 1)
+        h = (torch.arange(Hkv, device=d)[:, None] * G + torch.arange(G, device=d))[None, :, None, :, None]  # heads
+        p = torch.arange(self.offset + t.i0, self.offset + t.i1, device=d)[None, None, :, None, None]  # (1,1,Bq,1,1)
+        j = torch.arange(t.k0, t.k1, device=d)[None, None, None, None, :]  # (1, 1, 1, 1, Bk)
+        return (scores.apply(grid, b, h, p, j) * LOG2E).view_as(s)
 
     def take(self, t: Tensor) -> Tensor:
         """This group's rows of a (B·Hkv, ...) tensor (the tensor itself for every row)."""
@@ -214,14 +255,21 @@ def _forward(qs: Tensor, k: Tensor, v: Tensor, part: _Part) -> tuple[Tensor, Ten
     out = torch.zeros_like(qs)
     lse = qs.new_full((N, TG, 1), float("inf"))
     kt = k.transpose(1, 2)  # (B·Hkv, D, S)
+    sinks = part.scores.sinks
     for (i0, i1), block in groupby(part.tiles, key=lambda t: (t.i0, t.i1)):
         rows = slice(i0 * G, i1 * G)
         q_i = qs[:, rows]  # (B·Hkv, Bq·G, D)
-        m = qs.new_full((N, (i1 - i0) * G, 1), floor)  # running row max
-        l = torch.zeros_like(m)  # running row sum of 2^(score - m)
+        if sinks is None:
+            m = qs.new_full((N, (i1 - i0) * G, 1), floor)  # running row max
+            l = torch.zeros_like(m)  # running row sum of 2^(score - m)
+        else:  # the sink is one more logit of every row, seen before any key: 2^(sink - sink) = 1
+            m = _sink_logits(sinks, part.heads[0], part.heads[1], i1 - i0, qs.dtype)  # (B·Hkv, Bq·G, 1)
+            l = torch.ones_like(m)
         acc = torch.zeros_like(q_i)  # running unnormalised output
         for t in block:
             s = torch.bmm(q_i, kt[:, :, t.k0:t.k1])  # (B·Hkv, Bq·G, Bk) scores
+            if part.scores.modifies:
+                s = part.modify(s, t)
             if t.masked:
                 _hide(s, t, part)
             m_new = torch.maximum(m, s.amax(dim=2, keepdim=True))  # (B·Hkv, Bq·G, 1)
@@ -254,7 +302,14 @@ def _backward(qs: Tensor, k: Tensor, v: Tensor, lse: Tensor, do: Tensor, neg_d: 
         for t in block:
             rows = slice(t.i0 * G, t.i1 * G)
             q_i, do_i = qs[:, rows], do[:, rows]  # (B·Hkv, Bq·G, D)
-            p = torch.baddbmm(neg_lse[:, rows], q_i, kt_j)  # (B·Hkv, Bq·G, Bk) scores - lse
+            if part.scores.modifies:
+                raw = torch.bmm(q_i, kt_j)  # (B·Hkv, Bq·G, Bk) scores before the score rules
+                user = raw.clone() if part.scores.score_mod is not None else None  # for the vjp of a score_mod
+                p = part.modify(raw, t)
+                capped = p.clone() if user is None and part.scores.softcap is not None else None
+                p.add_(neg_lse[:, rows])  # scores - lse
+            else:
+                p = torch.baddbmm(neg_lse[:, rows], q_i, kt_j)  # (B·Hkv, Bq·G, Bk) scores - lse
             if t.masked:
                 _hide(p, t, part)
             p.exp2_()  # P, recomputed
@@ -265,6 +320,10 @@ def _backward(qs: Tensor, k: Tensor, v: Tensor, lse: Tensor, do: Tensor, neg_d: 
             else:
                 dv_j.baddbmm_(p.transpose(1, 2), do_i)
                 ds = torch.baddbmm(neg_d[:, rows], do_i, vt_j).mul_(p)  # P * (dP - D)
+            if part.scores.score_mod is not None:
+                ds = _through_score_rules(ds, user, t, part)  # the gradient of the unmodified scores
+            elif part.scores.softcap is not None:  # d(c·tanh(s/c))/ds = 1 - tanh²(s/c), from the capped scores
+                ds.mul_(capped.mul_(1.0 / (LOG2E * part.scores.softcap)).square_().neg_().add_(1.0))
             dq[:, rows] += torch.bmm(ds, k_j)
             dk_j.baddbmm_(ds.transpose(1, 2), q_i)
         dk[:, k0:k1], dv[:, k0:k1] = dk_j, dv_j
@@ -273,10 +332,31 @@ def _backward(qs: Tensor, k: Tensor, v: Tensor, lse: Tensor, do: Tensor, neg_d: 
 
 def _hide(s: Tensor, t: Tile, part: _Part) -> None:
     """Set the hidden entries of the score tile ``s`` (nb·Hkv, Bq·G, Bk) to -inf, in place."""
-    allowed = part.mask.tile(part.offset + t.i0, part.offset + t.i1, t.k0, t.k1, s.device)  # (nb or 1, 1, Bq, Bk)
+    allowed = part.mask.tile(part.offset + t.i0, part.offset + t.i1, t.k0, t.k1, s.device)  # (nb|1, H|1, Bq, Bk)
     nb, Hkv, G = part.heads
-    grid = s.view(nb, Hkv, t.i1 - t.i0, G, t.k1 - t.k0)  # (nb, Hkv, Bq, G, Bk)
-    grid.masked_fill_(~allowed[:, :, :, None, :], float("-inf"))
+    Bq, Bk = t.i1 - t.i0, t.k1 - t.k0
+    grid = s.view(nb, Hkv, Bq, G, Bk)  # (nb, Hkv, Bq, G, Bk)
+    if allowed.shape[1] == 1:
+        grid.masked_fill_(~allowed[:, :, :, None, :], float("-inf"))
+    else:  # a mask_mod that depends on the head: (nb|1, Hkv·G, Bq, Bk) -> (nb|1, Hkv, Bq, G, Bk)
+        per_head = allowed.view(allowed.shape[0], Hkv, G, Bq, Bk).transpose(2, 3)
+        grid.masked_fill_(~per_head, float("-inf"))
+
+
+def _through_score_rules(ds: Tensor, raw: Tensor, t: Tile, part: _Part) -> Tensor:
+    """dL/d(raw score) from dL/d(modified score): the vector-Jacobian product of the score rules
+    on the tile (ALiBi alone is a shift and needs none)."""
+    with torch.enable_grad():
+        leaf = raw.detach().requires_grad_(True)
+        (grad,) = torch.autograd.grad(part.modify(leaf, t), leaf, ds)
+    return grad
+
+
+def _sink_logits(sinks: Tensor, nb: int, Hkv: int, rows: int, dtype: torch.dtype) -> Tensor:
+    """The sink logit of every row of a (nb·Hkv, rows·G, 1) block, in log2 units (head h = hk·G + g)."""
+    G = len(sinks) // Hkv
+    per_head = (sinks.to(dtype) * LOG2E).view(Hkv, G)  # (Hkv, G)
+    return per_head[None, :, None, :].expand(nb, Hkv, rows, G).contiguous().view(nb * Hkv, rows * G, 1)
 
 
 def _group(x: Tensor, Hkv: int) -> Tensor:

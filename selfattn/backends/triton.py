@@ -51,6 +51,7 @@ from selfattn.backends.triton_kernels import (
     fwd_kernel,
 )
 from selfattn.masks import FULL, PARTIAL, BlockMap, Mask
+from selfattn.scores import Scores
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 128
@@ -69,8 +70,16 @@ def available(device: torch.device) -> str | None:
             f"is imported); {device} is neither")
 
 
-def unsupported(q: Tensor, k: Tensor, v: Tensor, mask: Mask, dropout_p: float) -> str | None:
+def unsupported(q: Tensor, k: Tensor, v: Tensor, mask: Mask, dropout_p: float,
+                scores: Scores | None = None) -> str | None:
     """Why the kernel cannot serve this request, or None when it can."""
+    extras = [name for name, on in (("mask_mod", mask.mask_mod is not None),
+                                    ("prefix_len", mask.prefix_len is not None),
+                                    ("sink_tokens", mask.sink_tokens is not None),
+                                    ("score rules (ALiBi, softcap, score_mod, sinks)",
+                                     scores is not None and not scores.is_plain)) if on]
+    if extras:
+        return f"{', '.join(extras)}: not in the Triton kernel yet; use 'tiled' (any device) or 'flex' (GPU)"
     if dropout_p > 0.0:
         return f"dropout is not implemented in the Triton kernel (dropout_p={dropout_p}); use 'math' or 'sdpa'"
     if q.dtype not in DTYPES:
@@ -87,8 +96,9 @@ def unsupported(q: Tensor, k: Tensor, v: Tensor, mask: Mask, dropout_p: float) -
     return None
 
 
-def run(q: Tensor, k: Tensor, v: Tensor, mask: Mask, *, scale: float, dropout_p: float = 0.0) -> Tensor:
-    why = unsupported(q, k, v, mask, dropout_p)
+def run(q: Tensor, k: Tensor, v: Tensor, mask: Mask, *, scale: float, dropout_p: float = 0.0,
+        scores: Scores | None = None) -> Tensor:
+    why = unsupported(q, k, v, mask, dropout_p, scores)
     if why:
         raise ValueError(f"backend 'triton' cannot serve this request: {why}")
     window = None if mask.window is None else min(mask.window, k.shape[2])  # a window >= S is plain causal

@@ -32,17 +32,24 @@ from selfattn import _plot, _validate, backends
 from selfattn.attention import attention
 from selfattn.bench import common
 from selfattn.masks import Mask
+from selfattn.scores import Scores, alibi_slopes
 
 OURS = ("auto",) + backends.NAMES
 PEERS = ("sdpa-dense", "flex-compiled")
 IMPLS = OURS + PEERS
 MODES = ("fwd", "fwd+bwd")
-MASKS = ("window-256", "window-2048", "docs-16", "padding-50", "causal")
+MASKS = ("window-256", "window-2048", "docs-16", "padding-50", "causal", "alibi", "softcap", "prefix-50", "mask_mod")
+RULE_CELLS = ("alibi", "softcap", "prefix-50", "mask_mod")  # programmable attention: built-ins and a mask_mod
+
+
+def chunked(b, h, q_idx, kv_idx):
+    """The custom mask_mod of the benchmark: chunks of 1024 positions, plus 64 global keys."""
+    return (q_idx // 1024 == kv_idx // 1024) | (kv_idx < 64)
 GIB = 2 ** 30
 
 
-def mask_kwargs(name: str, B: int, T: int, device) -> dict:
-    """``attention()`` keywords of a named mask over T positions."""
+def mask_kwargs(name: str, B: int, T: int, device, H: int = 8) -> dict:
+    """``attention()`` keywords of a named cell over T positions (its mask, or its score rule)."""
     if name.startswith("window-"):
         return {"window": int(name.split("-")[1])}
     if name.startswith("docs-"):
@@ -52,21 +59,33 @@ def mask_kwargs(name: str, B: int, T: int, device) -> dict:
         pad = torch.ones(B, T, dtype=torch.bool, device=device)
         pad[:, :T * int(name.split("-")[1]) // 100] = False  # left padding
         return {"key_padding_mask": pad}
-    if name == "causal":
-        return {}
+    if name.startswith("prefix-"):
+        return {"prefix_len": T * int(name.split("-")[1]) // 100}
+    if name in ("causal", "alibi", "softcap", "mask_mod"):
+        return {"alibi": {"alibi_slopes": alibi_slopes(H).to(device)}, "softcap": {"softcap": 30.0},
+                "mask_mod": {"mask_mod": chunked}}.get(name, {})
     raise ValueError(f"unknown mask {name!r}; choose from {MASKS}")
+
+
+def request(kw: dict, B: int, H: int, device) -> tuple[Mask, Scores]:
+    """The Mask and Scores that ``attention(**kw)`` builds (causal, B rows, H heads)."""
+    prefix, user = kw.get("prefix_len"), kw.get("mask_mod")
+    mask = Mask(window=kw.get("window"), key_padding_mask=kw.get("key_padding_mask"), doc_ids=kw.get("doc_ids"),
+                prefix_len=None if prefix is None else torch.tensor([prefix], device=device), mask_mod=user,
+                n_head=H if user else None, batch_rows=torch.arange(B, device=device) if user else None)
+    return mask, Scores(alibi_slopes=kw.get("alibi_slopes"), softcap=kw.get("softcap"))
 
 
 @dataclass
 class Settings:
     cells: tuple[tuple[str, int], ...] = tuple((m, T) for m in MASKS for T in (4096, 16384)
-                                               if not (m == "causal" and T == 16384))  # (mask, T)
+                                               if not (m == "causal" and T == 16384))  # (mask or rule, T)
     batch: int = 1  # B
     n_head: int = 8  # H
     head_dim: int = 64  # D
     dtypes: tuple[str, ...] | None = None  # None: float32, and bfloat16 where the hardware computes it natively
     warmup: int = 1  # untimed calls per implementation and cell (their results are checked)
-    reps: int = 3  # timed calls per implementation and cell (median reported)
+    reps: int = 5  # timed calls per implementation and cell (median reported)
     max_call_s: float = 30.0  # skip an implementation whose first call took longer than this
     slow_s: float = 5.0  # an implementation whose first call took longer is timed once, not reps times
     max_mem_gib: float | None = None  # None: half the available RAM (a quarter of free accelerator memory)
@@ -120,11 +139,11 @@ def _tile_matmul_rate(device: torch.device, dtype: torch.dtype) -> float:
     return 2 * 32 * 512 * 512 * 64 / common.median(times["bmm"]) / 1e9
 
 
-def visible_pairs(mask: Mask, B: int, T: int, S: int) -> int:
-    """The (query, key) pairs the mask shows, counted tile by tile (no T x S tensor)."""
+def visible_pairs(mask: Mask, B: int, H: int, T: int, S: int) -> int:
+    """The (query, key) pairs the mask shows over every row and head, counted a strip at a time."""
     total, step = 0, 1024
     for i0 in range(0, T, step):
-        total += int(mask.tile(S - T + i0, S - T + min(i0 + step, T), 0, S).expand(B, 1, -1, -1).sum())
+        total += int(mask.tile(S - T + i0, S - T + min(i0 + step, T), 0, S).expand(B, H, -1, -1).sum())
     return total
 
 
@@ -143,9 +162,10 @@ def _call(fn, q, k, v, dout, mode):
     return (out.detach(), *torch.autograd.grad(out, (q, k, v), dout))
 
 
-def _implementations(names, mask_name: str, B: int, T: int, device, dtype) -> tuple[dict, dict, dict]:
+def _implementations(names, mask_name: str, B: int, H: int, T: int, device, dtype) -> tuple[dict, dict, dict]:
     """({name: fn(q, k, v)}, {name: why it cannot run here}, {name: setup seconds}) for one cell."""
-    kw = mask_kwargs(mask_name, B, T, device)
+    kw = mask_kwargs(mask_name, B, T, device, H)
+    mask, scores = request(kw, B, H, device)
     fns, why, setup = {}, {}, {}
     for name in names:
         if name in OURS:
@@ -155,7 +175,14 @@ def _implementations(names, mask_name: str, B: int, T: int, device, dtype) -> tu
             else:
                 fns[name] = lambda q, k, v, n=name: attention(q, k, v, backend=n, **kw)
         elif name == "sdpa-dense":
-            allowed = Mask(**kw).dense(T, T, device)  # (B or 1, 1, T, S) bool
+            if scores.softcap is not None:
+                why[name] = "SDPA takes no soft-capping"
+                continue
+            allowed = mask.dense(T, T, device)  # (B or 1, H or 1, T, S) bool
+            if scores.alibi_slopes is not None:  # ALiBi as users pass it to SDPA: a float bias, -inf where hidden
+                j = torch.arange(T, device=device)
+                bias = -scores.alibi_slopes[:, None, None] * (j[:, None] - j[None, :])  # (H, T, S)
+                allowed = bias[None].to(dtype).masked_fill(~allowed, float("-inf"))
             fns[name] = lambda q, k, v, m=allowed: F.scaled_dot_product_attention(q, k, v, attn_mask=m)
         elif name == "flex-compiled":
             reason = backends.availability("flex", device)
@@ -164,13 +191,14 @@ def _implementations(names, mask_name: str, B: int, T: int, device, dtype) -> tu
                 continue
             from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-            from selfattn.backends.flex import mask_mod
-            mask = Mask(**kw)
+            from selfattn.backends.flex import mask_mod, score_mod
             start = time.perf_counter()
             block_mask = create_block_mask(mask_mod(mask, T, T), B, None, T, T, device=device)
             setup[name] = time.perf_counter() - start
             compiled = torch.compile(flex_attention, dynamic=False)
-            fns[name] = lambda q, k, v, bm=block_mask, c=compiled: _many_shapes(c, q, k, v, block_mask=bm)
+            modify = score_mod(scores, T, T) if scores.modifies else None
+            fns[name] = lambda q, k, v, bm=block_mask, c=compiled, m=modify: _many_shapes(
+                c, q, k, v, block_mask=bm, score_mod=m)
     return fns, why, setup
 
 
@@ -181,7 +209,7 @@ def _many_shapes(compiled, *args, **kwargs):
         return compiled(*args, **kwargs)
 
 
-def _unsupported(name: str, q, k, v, mask: Mask, mode: str) -> str | None:
+def _unsupported(name: str, q, k, v, mask: Mask, scores: Scores, mode: str) -> str | None:
     """Why an implementation refuses this cell and mode (ours: asked exactly as attention() asks)."""
     if name == "flex-compiled":
         cpu_backward = mode == "fwd+bwd" and q.device.type == "cpu"
@@ -190,7 +218,7 @@ def _unsupported(name: str, q, k, v, mask: Mask, mode: str) -> str | None:
         return None
     probe = q.detach().requires_grad_(mode == "fwd+bwd")
     with torch.set_grad_enabled(mode == "fwd+bwd"):
-        return backends.load(name).unsupported(probe, k, v, mask, 0.0)
+        return backends.load(name).unsupported(probe, k, v, mask, 0.0, scores)
 
 
 def _gate(settings: Settings, device, dtype, log) -> list[dict]:
@@ -200,13 +228,14 @@ def _gate(settings: Settings, device, dtype, log) -> list[dict]:
     for mask_name in sorted({m for m, _ in settings.cells}):
         scaled = _scaled(mask_name, T)
         q, k, v, dout = _inputs(B, H, T, D, device, dtype, seed=1)
-        kw = mask_kwargs(scaled, B, T, device)
+        kw = mask_kwargs(scaled, B, T, device, H)
+        mask, scores = request(kw, B, H, device)
         exact = _call(lambda a, b, c: attention(a, b, c, backend="math", **kw),
                       *(t.double().cpu() for t in (q, k, v, dout)), "fwd+bwd")
-        fns, why, _ = _implementations(settings.impls, scaled, B, T, device, dtype)
+        fns, why, _ = _implementations(settings.impls, scaled, B, H, T, device, dtype)
         for name, fn in fns.items():
             for mode in MODES:
-                if _unsupported(name, q, k, v, Mask(**kw), mode):
+                if _unsupported(name, q, k, v, mask, scores, mode):
                     continue
                 got = _call(fn, q, k, v, dout, mode)
                 keep = _seen_rows(kw, B, T, device) if name == "sdpa-dense" else None
@@ -250,19 +279,19 @@ def _estimate_bytes(name: str, B: int, H: int, T: int, dtype) -> int:
 def _cell(settings: Settings, device, dtype, mask_name: str, T: int, cap: int, ceiling: float, log) -> list[dict]:
     B, H, D = settings.batch, settings.n_head, settings.head_dim
     q, k, v, dout = _inputs(B, H, T, D, device, dtype)
-    kw = mask_kwargs(mask_name, B, T, device)
-    mask = Mask(**kw)
-    pairs = visible_pairs(mask, B, T, T) * H
+    kw = mask_kwargs(mask_name, B, T, device, H)
+    mask, scores = request(kw, B, H, device)
+    pairs = visible_pairs(mask, B, H, T, T)
     dt = str(dtype)[6:]
-    fns, why, setup = _implementations(settings.impls, mask_name, B, T, device, dtype)
+    fns, why, setup = _implementations(settings.impls, mask_name, B, H, T, device, dtype)
     rows = []
     for mode in MODES:
-        chosen = _auto_choice(q, k, v, mask, mode)
+        chosen = _auto_choice(q, k, v, mask, scores, mode)
         base = {"mask": mask_name, "T": T, "B": B, "H": H, "D": D, "dtype": dt, "mode": mode}
         live = {}
         for name in settings.impls:
             row = dict(base, impl=name)
-            refusal = why.get(name) or _unsupported(name, q, k, v, mask, mode)
+            refusal = why.get(name) or _unsupported(name, q, k, v, mask, scores, mode)
             if refusal:
                 row.update(status="unavailable", reason=refusal)
             elif _estimate_bytes(name, B, H, T, dtype) > cap:
@@ -296,10 +325,10 @@ def _cell(settings: Settings, device, dtype, mask_name: str, T: int, cap: int, c
     return rows
 
 
-def _auto_choice(q, k, v, mask: Mask, mode: str) -> str:
+def _auto_choice(q, k, v, mask: Mask, scores: Scores, mode: str) -> str:
     probe = q.detach().requires_grad_(mode == "fwd+bwd")
     with torch.set_grad_enabled(mode == "fwd+bwd"):
-        return backends.resolve("auto", q=probe, k=k, v=v, mask=mask)
+        return backends.resolve("auto", q=probe, k=k, v=v, mask=mask, scores=scores)
 
 
 def _checked_first_calls(fns, live, q, k, v, dout, mode, kw, B, T, device, dtype, settings, log) -> list[str]:
@@ -366,6 +395,12 @@ def targets(result: dict) -> list[dict]:
     out.append(common.target("plain causal: auto no slower than before (sdpa is_causal) within 5%",
                              None if not causal else max(c[0] for c in causal) <= 1.05,
                              "not measured" if not causal else ", ".join(f"{r:.2f}x T={T} {m}" for r, T, m in causal)))
+    costs = [(at[("auto", *c)]["time_s"] / at[("auto", "causal", *c[1:])]["time_s"], c) for c in cells
+             if c[0] in ("alibi", "softcap") and ("auto", *c) in at and ("auto", "causal", *c[1:]) in at]
+    w = max(costs, default=None)
+    out.append(common.target("ALiBi and soft-capping cost <= 1.2x plain causal attention (auto)",
+                             None if w is None else w[0] <= 1.2, "not measured" if w is None else
+                             ", ".join(f"{r:.2f}x {c[0]} T={c[1]} {c[2]}" for r, c in costs)))
     bf16 = [c for c in cells if c[3] == "bfloat16" and c[1] >= 4096]
     best = [(min(at[(i, *c)]["time_s"] for i in IMPLS if (i, *c) in at), at.get(("sdpa-dense", *c)), c) for c in bf16]
     best = [(b, s, c) for b, s, c in best if s]

@@ -183,7 +183,7 @@ class NanoGPT(nn.Module):
         no window, no dropout), with its weights, dtype and device."""
         c = gpt.config
         if c.pos != "learned" or c.n_kv_head not in (None, c.n_head) or not c.mlp or c.window is not None \
-                or c.dropout:
+                or c.dropout or c.alibi or c.softcap is not None or c.sinks:
             raise ValueError(f"NanoGPT mirrors GPT-2-style configs only (learned positions, full heads, MLP, "
                              f"no window, no dropout), got {c}")
         nano = cls(c.vocab_size, c.block_size, c.n_layer, c.n_head, c.n_embd, bias=c.bias,

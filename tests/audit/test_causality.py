@@ -466,3 +466,41 @@ def test_cache_check_arguments():
         check_cache(gpt, torch.zeros(1, 20, dtype=torch.long), 10)
     with pytest.raises(ValueError, match="rtol"):
         check_cache(gpt, torch.zeros(1, 3, dtype=torch.long), 2, rtol=-1.0)
+
+
+# --- declared rules beyond causality: prefix-LM and sink tokens ------------------------------------
+
+def _prefix_module(prefix):
+    from selfattn import SelfAttention
+
+    attn = SelfAttention(16, 2, backend="math")
+
+    class Prefixed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn = attn
+
+        def forward(self, x):
+            return self.attn(x, prefix_len=prefix)
+    return Prefixed()
+
+
+def test_a_prefix_lm_passes_exactly_its_declared_prefix_and_fails_one_off():
+    x = torch.randn(2, 10, 16)
+    assert check_causal(_prefix_module(4), x, prefix_len=4).ok  # bidirectional inside the prefix, by design
+    report = check_causal(_prefix_module(4), x)  # declared plain causal: the prefix is a leak
+    assert not report.ok and report.first_leak[:2] == (0, 1)
+    off = check_causal(_prefix_module(5), x, prefix_len=4)  # negative control: a prefix one too long
+    assert not off.ok and {(leak.output, leak.input) for leak in off.leaks} == {(i, 4) for i in range(4)}
+
+
+def test_sink_tokens_pass_exactly_their_declared_window_and_fail_one_off():
+    from selfattn import SelfAttention
+
+    x = torch.randn(2, 12, 16)
+    sinks2 = SelfAttention(16, 2, window=3, sink_tokens=2, backend="math")
+    assert check_causal(sinks2, x, window=3, sink_tokens=2).ok
+    off = check_causal(sinks2, x, window=3, sink_tokens=1)  # negative control: one sink fewer declared
+    assert not off.ok and all(leak.input == 1 for leak in off.leaks)
+    wider = SelfAttention(16, 2, window=4, sink_tokens=2, backend="math")  # negative control: the window off by one
+    assert not check_causal(wider, x, window=3, sink_tokens=2).ok

@@ -85,3 +85,28 @@ def test_causality_audit_covers_flex():
         report = check_causal(SelfAttention(32, 4, backend="flex", **kwargs), x, method="perturb",
                               window=kwargs.get("window"))
         assert report.ok, str(report)
+
+
+def test_programmable_rules_match_math_and_sinks_are_refused():
+    from selfattn.scores import alibi_slopes
+
+    bias = torch.linspace(-1, 1, 64)
+
+    def dilated(b, h, q_idx, kv_idx):
+        return ((q_idx - kv_idx) % 3 != 1) | (h == 0)
+
+    def relative(score, b, h, q_idx, kv_idx):
+        return score + bias.to(score.dtype)[(q_idx - kv_idx).clamp(0, 63)]
+    requests = [dict(prefix_len=torch.tensor([5, 0]), mask_mod=dilated, alibi_slopes=alibi_slopes(4), softcap=2.0,
+                     score_mod=relative),
+                dict(window=6, sink_tokens=2, key_padding_mask=torch.rand(2, 40) > 0.2)]
+    for kwargs in requests:
+        (q, k, v, _), _ = make_case(4, 2, 33, 40, 16, "causal", dtype=torch.float32)
+        exact = attention(q.double(), k.double(), v.double(), backend="math",
+                          **{n: t.double() if n == "alibi_slopes" else t for n, t in kwargs.items()}).detach()
+        with torch.no_grad():
+            same = attention(q, k, v, backend="math", **kwargs)
+            got = attention(q, k, v, backend="flex", **kwargs)
+        assert_flash_rule([got], [same], [exact], rel_floor=1e-6, names=("out",))
+    with pytest.raises(ValueError, match="FlexAttention has no sink logits"):
+        attention(q, k, v, backend="flex", sinks=torch.zeros(4))

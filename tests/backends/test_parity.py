@@ -381,7 +381,7 @@ def test_unknown_backend_and_unsupported_combination(monkeypatch):
     q = torch.randn(1, 2, 3, 4)
     with pytest.raises(ValueError, match="unknown attention backend 'flash'.*'math', 'sdpa', 'tiled'"):
         attention(q, q, q, backend="flash")
-    monkeypatch.setattr(tiled, "unsupported", lambda q, k, v, mask, dropout_p: f"no D={q.shape[-1]} today",
+    monkeypatch.setattr(tiled, "unsupported", lambda q, k, v, mask, dropout_p, scores=None: f"no D={q.shape[-1]} today",
                         raising=False)
     with pytest.raises(ValueError, match="backend 'tiled' cannot serve this request: no D=4 today"):
         attention(q, q, q, backend="tiled")
@@ -393,14 +393,21 @@ def test_option_defaults_allocate_nothing_and_draw_nothing():
     after_plain = torch.get_rng_state()
     torch.manual_seed(0)
     explicit = SelfAttention(16, 4, n_kv_head=None, bias=False, dropout=0.0, rope=False, rope_base=10000.0,
-                             window=None, backend="auto")
+                             window=None, sink_tokens=None, alibi=False, softcap=None, sinks=False, mask_mod=None,
+                             score_mod=None, backend="auto")
     assert torch.equal(torch.get_rng_state(), after_plain)
     assert set(explicit.state_dict()) == {"qkv.weight", "proj.weight"} and not list(explicit.buffers())
-    for kwargs in ({"rope": True}, {"window": 4}, {"dropout": 0.2}, {"backend": "tiled"}, {"n_kv_head": 4}):
+    for kwargs in ({"rope": True}, {"window": 4}, {"dropout": 0.2}, {"backend": "tiled"}, {"n_kv_head": 4},
+                   {"window": 4, "sink_tokens": 2}, {"alibi": True}, {"softcap": 3.0},
+                   {"mask_mod": lambda b, h, q, k: q >= k}, {"score_mod": lambda s, b, h, q, k: s}):
         torch.manual_seed(0)
         attn = SelfAttention(16, 4, **kwargs)  # options with no weights of their own allocate none
         assert torch.equal(torch.get_rng_state(), after_plain), kwargs
         assert sum(p.numel() for p in attn.parameters()) == 4 * 16 * 16 and not list(attn.buffers()), kwargs
+    torch.manual_seed(0)
+    sinks = SelfAttention(16, 4, sinks=True)  # learned sinks: one zero logit per head, no random draw
+    assert torch.equal(torch.get_rng_state(), after_plain) and torch.equal(sinks.sinks, torch.zeros(4))
+    assert set(sinks.state_dict()) == {"qkv.weight", "proj.weight", "sinks"}
 
 
 # --- attention() validation ---------------------------------------------------------------------

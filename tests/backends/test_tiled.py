@@ -12,6 +12,7 @@ from selfattn import Mask, attention
 from selfattn.backends import math, tiled
 from selfattn.backends._common import repeat_kv
 from selfattn.masks import FULL, HIDDEN, PARTIAL, BlockMap
+from selfattn.scores import Scores
 
 from helpers.parity import F64, HEADS, MASK_KINDS, assert_close_all, make_case
 
@@ -150,7 +151,7 @@ def _dense_keep(mask, B, H, Hkv, T, S, dropout_p, seed, block_q, block_k):
     G = H // Hkv
     keep = torch.zeros(B * Hkv, T * G, S, dtype=torch.float64)  # the kernel's layout
     for group in tiled.plan(mask, T, S, block_q, block_k):
-        part = tiled._Part(group, mask, B, Hkv, G, S - T, dropout_p, seed)
+        part = tiled._Part(group, mask, Scores(), B, Hkv, G, S - T, dropout_p, seed)
         rows = torch.arange(B * Hkv) if part.index is None else part.index
         for t in group.tiles:
             like = torch.empty(len(rows), (t.i1 - t.i0) * G, t.k1 - t.k0, dtype=torch.float64)
@@ -174,7 +175,7 @@ def test_dropout_forward_and_backward_match_a_dense_reference(mask_kind):
     assert abs(dropped - p) < 0.03, dropped  # ~9000 visible entries
     kept = keep[visible][keep[visible] != 0]
     torch.testing.assert_close(kept, torch.full_like(kept, 1 / (1 - p)))  # kept weights are scaled by 1 / (1 - p)
-    part = tiled._Part(tiled.Group(None, []), Mask(), 1, 2, 1, 0, p, seed)
+    part = tiled._Part(tiled.Group(None, []), Mask(), Scores(), 1, 2, 1, 0, p, seed)
     first, second = (part.keep(tiled.Tile(0, 64, k0, k0 + 64, False), torch.empty(2, 64, 64)) for k0 in (0, 64))
     assert not torch.equal(first, second)  # each tile draws its own mask
 

@@ -9,6 +9,7 @@ VARIANTS = {  # name -> GPTConfig overrides
     "rope": {"pos": "rope"},
     "gqa-window": {"n_kv_head": 2, "window": 4},
     "rope-gqa-window-bias": {"pos": "rope", "n_kv_head": 1, "window": 3, "bias": True},
+    "alibi-window": {"pos": "none", "alibi": True, "n_kv_head": 2, "window": 5},
 }
 
 
