@@ -12,9 +12,11 @@ and its layers have biases (``GPTConfig(bias=True)``).
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import torch
 
+from selfattn._validate import one_line
 from selfattn.model import GPT, GPTConfig
 
 _GPT2_EOT = 50256  # GPT-2's <|endoftext|> token, its bos and eos
@@ -97,12 +99,31 @@ def load_gpt2(path: str | os.PathLike) -> GPT:
     """Our GPT from a GPT-2 directory written by ``save_pretrained`` (config.json and weights).
 
     Reads local files only; a missing directory is a FileNotFoundError, never a download.
+    Only safetensors weights are read: a folder holding just a pickle (``pytorch_model.bin``)
+    is a ValueError saying how to convert it, and so is a damaged weights file.
     """
     transformers = _transformers()
-    if not os.path.isdir(path):
+    folder = Path(path)
+    if not folder.is_dir():
         raise FileNotFoundError(f"load_gpt2: {os.fspath(path)!r} is not a directory (expected one written by "
                                 f"GPT2LMHeadModel.save_pretrained); models are never downloaded")
-    hf_model = transformers.GPT2LMHeadModel.from_pretrained(path, local_files_only=True)
+    if not any((folder / name).is_file() for name in ("model.safetensors", "model.safetensors.index.json")):
+        pickles = sorted(p.name for p in folder.glob("pytorch_model*.bin"))
+        if pickles:
+            raise ValueError(f"load_gpt2: {folder} holds its weights as a pickle ({pickles[0]}); only safetensors "
+                             f"weights are loaded. Convert it once, where you trust the file: GPT2LMHeadModel."
+                             f"from_pretrained('{folder}').save_pretrained('{folder}') writes model.safetensors")
+        raise ValueError(f"load_gpt2: {folder} has no model.safetensors (expected a folder written by save_pretrained)")
+    bars = transformers.utils.logging
+    shown = bars.is_progress_bar_enabled()
+    bars.disable_progress_bar()  # a library prints nothing, not even a "Loading weights" bar
+    try:
+        hf_model = transformers.GPT2LMHeadModel.from_pretrained(folder, local_files_only=True, use_safetensors=True)
+    except Exception as e:  # safetensors' Rust reader, transformers' config and shape checks raise many types
+        raise ValueError(f"load_gpt2: cannot read the model in {folder}: {one_line(e)}") from e
+    finally:
+        if shown:
+            bars.enable_progress_bar()
     return from_hf(hf_model)
 
 

@@ -80,3 +80,67 @@ def test_every_command_takes_every_kind_of_model_path(command, run, tmp_path, ca
     assert main([command[0], "--ckpt", str(tmp_path / "nowhere"), *command[1:], *extra]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "does not exist" in err
+
+
+def test_a_gpt2_folder_with_pickled_weights_is_refused_with_how_to_convert(tmp_path):
+    folder = gpt2_folder(tmp_path / "gpt2")
+    weights = transformers_state(folder)
+    (folder / "model.safetensors").unlink()
+    torch.save(weights, folder / "pytorch_model.bin")
+    with pytest.raises(ValueError) as e:
+        loading.load(folder)
+    message = str(e.value)
+    assert "pytorch_model.bin" in message and "only safetensors weights are loaded" in message
+    assert f"from_pretrained('{folder}').save_pretrained('{folder}') writes model.safetensors" in message
+    assert "weights_only" not in message and "\n" not in message
+
+
+def transformers_state(folder):
+    import transformers
+
+    return transformers.GPT2LMHeadModel.from_pretrained(folder, local_files_only=True).state_dict()
+
+
+@pytest.mark.parametrize("damage, words", [
+    (lambda f: (f / "model.safetensors").write_bytes((f / "model.safetensors").read_bytes()[:5000]),
+     ["cannot read the model in", "incomplete metadata"]),
+    (lambda f: (f / "config.json").write_text('{"model_type": "gpt2", '), ["config.json", "invalid JSON"]),
+    (lambda f: (f / "tokenizer.json").write_text("[1, 2]"), ["tokenizer.json", "is not a tokenizer"]),
+])
+def test_a_damaged_gpt2_folder_is_a_value_error_naming_the_file(tmp_path, damage, words):
+    folder = gpt2_folder(tmp_path / "gpt2")
+    damage(folder)
+    with pytest.raises(ValueError) as e:
+        loading.load(folder)
+    assert str(folder) in str(e.value) and all(w in str(e.value) for w in words), str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_an_invalid_config_json_beside_a_state_dict_names_the_file(run, tmp_path):
+    weights, _ = checkpoint.read_weights(run / "ckpt-0000004.safetensors")
+    torch.save(weights, tmp_path / "weights.pt")
+    (tmp_path / "config.json").write_text('{"model": {"n_layer": 1},\n "train": }')
+    with pytest.raises(ValueError) as e:
+        loading.load(tmp_path / "weights.pt")
+    assert str(e.value) == f"{tmp_path / 'config.json'}: invalid JSON at line 2 column 11: Expecting value"
+
+
+def test_a_tokenizer_without_a_newline_needs_a_prompt(tmp_path, capsys):
+    import tokenizers
+    import transformers
+    from tokenizers import decoders, pre_tokenizers, trainers
+
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE())
+    tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    tok.train_from_iterator(["the cat sat on the mat"] * 10, trainers.BpeTrainer(vocab_size=40, show_progress=False))
+    config = transformers.GPT2Config(vocab_size=tok.get_vocab_size(), n_positions=16, n_embd=8, n_layer=1, n_head=2,
+                                     bos_token_id=None, eos_token_id=None)
+    transformers.GPT2LMHeadModel(config).save_pretrained(tmp_path)
+    tok.save(str(tmp_path / "tokenizer.json"))
+    capsys.readouterr()
+    assert tok.encode("\n").ids == [] and loading.load(tmp_path).start_token is None  # no newline, no <|endoftext|>
+    assert main(["sample", "--ckpt", str(tmp_path), "--max-new-tokens", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "has no token for a newline and no <|endoftext|>" in err and "--prompt" in err
+    assert main(["sample", "--ckpt", str(tmp_path), "--prompt", "the cat", "--max-new-tokens", "2", "--seed", "0"]) == 0
+    assert capsys.readouterr().out.startswith("the cat")

@@ -6,21 +6,36 @@ defaults (seed 0, B=1, T=4, C=8, H=2, change position 2) it reproduces the seed 
 """
 from __future__ import annotations
 
+import contextlib
+import os
+import re
+from pathlib import Path
+
 import torch
 
+from selfattn import _validate
 from selfattn.attention import SelfAttention
 from selfattn.masks import Mask
+
+_LIVE_MATRICES = 4  # (1, H, T, T) float32 tensors alive at once: scores, masked scores, weights, and the module's
 
 
 def worked_example(*, n_embd: int = 8, n_head: int = 2, seq_len: int = 4, seed: int = 0, position: int = 2,
                    n_kv_head: int | None = None, window: int | None = None, head: int = 0) -> str:
-    """The worked example's whole text. Raises ValueError on impossible sizes."""
+    """The worked example's whole text. Raises ValueError on impossible sizes, and on sizes
+    whose T x T matrices would not fit in the memory this machine has available."""
+    _validate.heads(n_embd, n_head, n_kv_head)  # first: --head is checked against n_head
     if seq_len <= 0:
         raise ValueError(f"--seq-len must be positive, got {seq_len}")
     if not 0 <= position < seq_len:
         raise ValueError(f"--position {position} is outside the sequence 0..{seq_len - 1}")
     if not 0 <= head < n_head:
         raise ValueError(f"--head {head} is outside 0..{n_head - 1}")
+    need, available = _LIVE_MATRICES * n_head * seq_len ** 2 * 4, _available_memory()  # float32 (1, H, T, T)
+    if need > available:
+        raise ValueError(f"--seq-len {seq_len} would need about {need / 1e9:,.1f} GB ({_LIVE_MATRICES} float32 "
+                         f"(1, {n_head}, {seq_len}, {seq_len}) score and weight matrices at once), more than the "
+                         f"{available / 1e9:,.1f} GB available; the worked example is meant for small T")
     torch.manual_seed(seed)  # the seed document's order of random draws: module, x, then x2[position]
     attn = SelfAttention(n_embd, n_head, n_kv_head=n_kv_head, window=window, backend="math")
     x = torch.randn(1, seq_len, n_embd)
@@ -60,6 +75,13 @@ def worked_example(*, n_embd: int = 8, n_head: int = 2, seq_len: int = 4, seed: 
     lines += ["", f"Attention weights of head {head} (row = query, column = key; '.' = masked, exactly 0)"]
     lines += _matrix(weights[0, head], Mask(window=window).dense(T, T)[0, 0])
     return "\n".join(lines)
+
+
+def _available_memory() -> int:
+    """Bytes a new allocation may take: Linux's MemAvailable, elsewhere the free physical pages."""
+    with contextlib.suppress(OSError, AttributeError):
+        return int(re.search(r"^MemAvailable:\s+(\d+) kB", Path("/proc/meminfo").read_text(), re.M).group(1)) * 1024
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def _shape_walk(attn: SelfAttention, x: torch.Tensor):

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from selfattn import backends
+from selfattn._validate import one_line
 from selfattn.attention import SelfAttention
 from selfattn.audit.cache import CacheReport, check_cache
 from selfattn.audit.causality import CausalityReport, check_causal, input_embedding_name
@@ -95,7 +96,11 @@ def module_case(spec: str, audit: dict, shape: tuple[int, ...], window: int | No
     """The module ``factory()`` returns, for ``spec`` ``"pkg.mod:factory"``, on a random input
     of ``shape``: token ids ``(B, T)`` when it has an input embedding, else embeddings
     ``(B, T, C)`` (C from its first Linear or LayerNorm when ``shape`` is ``(B, T)``)."""
-    module = load_factory(spec)()
+    factory = load_factory(spec)
+    try:
+        module = factory()
+    except Exception as e:
+        raise ValueError(f"--module: the factory {spec}() raised {type(e).__name__}: {one_line(e)}") from e
     if not callable(module):
         raise TypeError(f"{spec} returned {type(module).__name__}, not a module or callable")
     emb = input_embedding_name(module)
@@ -105,7 +110,14 @@ def module_case(spec: str, audit: dict, shape: tuple[int, ...], window: int | No
         example = torch.randint(0, module.get_submodule(emb).num_embeddings, shape)
     else:
         example = torch.randn(shape if len(shape) == 3 else (*shape, _infer_width(module, spec)))
-    return _causal(spec, module, example, audit, window)
+
+    def run() -> CausalityReport:
+        try:
+            return check_causal(module, example, window=window, **audit)
+        except Exception as e:
+            raise ValueError(f"--module: the module {spec}() built raised {type(e).__name__} on an input of shape "
+                             f"{tuple(example.shape)}: {one_line(e)}") from e
+    return Case(spec, run)
 
 
 def load_factory(spec: str) -> Callable:
@@ -115,8 +127,8 @@ def load_factory(spec: str) -> Callable:
         raise ValueError(f"--module must look like pkg.mod:factory, got {spec!r}")
     try:
         mod = importlib.import_module(mod_name)
-    except ImportError as e:
-        raise ValueError(f"--module: cannot import {mod_name!r}: {e}") from e
+    except Exception as e:  # ImportError, or whatever the module raises while it is imported
+        raise ValueError(f"--module: cannot import {mod_name!r}: {type(e).__name__}: {one_line(e)}") from e
     factory = getattr(mod, attr, None)
     if not callable(factory):
         raise ValueError(f"--module: {mod_name!r} has no callable {attr!r}")

@@ -38,13 +38,15 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_text, description=(mod.__doc__ or help_text).strip().split("\n\n")[0],
                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
         mod.add_arguments(p)
-        p.set_defaults(_main=mod.main)
+        p.set_defaults(_main=mod.main, _parser=p)  # a command with sub-commands may set its own _parser
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    args = build_parser(argv).parse_args(argv)
+    args, unknown = build_parser(argv).parse_known_args(argv)
+    if unknown:  # the command's usage line, not the top-level one
+        args._parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
         return int(args._main(args) or 0)
     except BrokenPipeError:  # the reader went away (``selfattn sample ... | head``): stop quietly

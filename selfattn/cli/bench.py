@@ -13,9 +13,8 @@ import argparse
 import dataclasses
 import os
 import sys
-from pathlib import Path
 
-from selfattn import _validate
+from selfattn import _files, _validate
 from selfattn.bench import GPU_ONLY, SUITES, attention, common, decode, masks, train
 
 HELP = {"attention": "attention layers: our backends vs the peers over a T sweep",
@@ -38,13 +37,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         if name != "triton":
             s.add_argument("--reps", type=int, default=None, help="timed repetitions (default: the suite's)")
         SUITE_FLAGS.get(name, lambda s: None)(s)
+        s.set_defaults(_parser=s)  # an unknown flag shows this suite's usage
 
 
 def main(args: argparse.Namespace) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the benchmarks never download anything
     device = _validate.device(args.device)
+    out = _files.writable_folder(args.out)  # checked before the work, so no result is lost at the end
     common.pin_threads(args.threads)
-    out = Path(args.out)
     names = [args.suite] if args.suite != "all" else [n for n in SUITES if n not in GPU_ONLY or device.type == "cuda"]
     for name in names:
         suite = SUITES[name]

@@ -44,6 +44,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    out = _files.writable_folder(args.out)  # checked before the work
     loaded = load(args.ckpt)
     model, tokenizer = loaded.model.eval(), loaded.tokenizer
     n_layer = len(attention_layers(model))
@@ -66,7 +67,6 @@ def main(args: argparse.Namespace) -> int:
     repeats = bool((tokens[0, :, None] == tokens[0, None, :]).tril(-1).any())
     scores = head_scores(att, tokens if repeats else None)
 
-    out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     labels = [_label(tokenizer, t) for t in tokens[0].tolist()] if args.text is not None else None
     if labels is not None and len(labels) > LABELS_UP_TO:

@@ -42,6 +42,11 @@ def main(args: argparse.Namespace) -> int:
     loaded = load(args.ckpt)
     model = loaded.model.to(device).eval().decode_layout()  # inference only: the order batch-1 decoding reads fastest
     ids = loaded.tokenizer.encode(args.prompt) if args.prompt else [loaded.start_token]
+    if args.prompt and not ids:
+        raise ValueError(f"--prompt {args.prompt!r} encodes to no token with the tokenizer of {loaded.source}")
+    if ids == [None]:
+        raise ValueError(f"the tokenizer of {loaded.source} has no token for a newline and no <|endoftext|>, so an "
+                         f"empty prompt has nothing to start from; pass --prompt TEXT")
     generator = torch.Generator(device)
     if args.seed is None:
         generator.seed()

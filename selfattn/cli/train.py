@@ -13,7 +13,7 @@ from pathlib import Path
 
 from selfattn.cli import flags
 from selfattn.model import GPTConfig
-from selfattn.training import parallel
+from selfattn.training import lock, parallel
 from selfattn.training.loop import PRESETS, Diverged, TrainConfig, TrainResult, resolve_configs, train
 
 
@@ -31,21 +31,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     out = Path(getattr(args, "out", None) or f"runs/{args.preset or 'default'}")
-    model_cfg, train_cfg, resume_from = resolve_configs(
-        out, preset=args.preset, config=args.config, resume=args.resume,
-        model_flags=flags.given(args, GPTConfig), train_flags=flags.given(args, TrainConfig))
-    try:
-        with _Progress() as progress:  # the bar is closed before anything else is printed
-            result = train(model_cfg, train_cfg, out, resume_from=resume_from, on_event=progress)
-        if parallel.rank() == 0:
-            print(_summary(result, train_cfg))
-        return 0
-    except Diverged as e:
-        if parallel.rank() == 0:
-            print(f"selfattn train: error: {e}", file=sys.stderr, flush=True)
-        return 1
-    finally:
-        parallel.shutdown()
+    with lock.hold(out):  # before the configs are read: another run may be saving (and pruning) there
+        model_cfg, train_cfg, resume_from = resolve_configs(
+            out, preset=args.preset, config=args.config, resume=args.resume,
+            model_flags=flags.given(args, GPTConfig), train_flags=flags.given(args, TrainConfig))
+        try:
+            with _Progress() as progress:  # the bar is closed before anything else is printed
+                result = train(model_cfg, train_cfg, out, resume_from=resume_from, on_event=progress)
+            if parallel.rank() == 0:
+                print(_summary(result, train_cfg))
+            return 0
+        except Diverged as e:
+            if parallel.rank() == 0:
+                print(f"selfattn train: error: {e}", file=sys.stderr, flush=True)
+            return 1
+        finally:
+            parallel.shutdown()
 
 
 class _Progress:

@@ -6,7 +6,9 @@ A checkpoint ``RUN/ckpt-0000200.safetensors`` holds
   the metadata and restored on load);
 - ``optim/<param name>/<key>``: the optimizer state (AdamW's ``step``, ``exp_avg``, ``exp_avg_sq``);
 - metadata (JSON): the configs, the step and anything else the trainer passes, the optimizer's
-  ``param_groups``, and a SHA-256 digest of all tensor bytes, checked on every load.
+  ``param_groups``, and a SHA-256 digest of everything else in the file: every tensor's name,
+  dtype, shape and bytes, and the header's canonical JSON (``sort_keys``) without the digest.
+  It is checked on every read, so a one-digit edit of ``"step"`` or ``"lr"`` is refused.
 
 Saving writes a temporary file in the same folder, fsyncs it, renames it over the final
 name (atomic on POSIX) and fsyncs the folder, so a kill at any moment leaves every earlier
@@ -15,7 +17,9 @@ checkpoint intact; older checkpoints beyond ``keep`` are deleted only after the 
 Under ``torch.distributed`` (DDP or FSDP2), :func:`save` and :func:`load` are collective:
 every rank calls them, full weights and optimizer state are gathered, and rank 0 alone
 writes. Every rank reads the same file on load, so the run folder must be visible to all.
-A truncated, corrupted or foreign file is a :class:`CheckpointError` naming the file.
+A truncated, corrupted or foreign file is a :class:`CheckpointError` naming the file; when the
+newest checkpoint of a run folder is damaged, :func:`read_latest` also names the newest older
+one that is intact and how to continue from it.
 """
 from __future__ import annotations
 
@@ -32,7 +36,9 @@ from selfattn import _files
 from selfattn._validate import one_line
 from selfattn.training.parallel import rank, unwrap
 
-FORMAT = "selfattn-checkpoint-1"
+FORMAT = "selfattn-checkpoint-2"
+_OLDER = {"selfattn-checkpoint-1": "its digest covers the tensors but not the header"}  # formats this one replaced
+_HEADER_KEYS = ("meta", "aliases", "param_groups", "optim_scalars", "sha256")
 _NAME = re.compile(r"^ckpt-(\d+)\.safetensors$")
 
 
@@ -46,13 +52,30 @@ def path_for(run_dir: str | os.PathLike, step: int) -> Path:
 
 def latest(run_dir: str | os.PathLike) -> Path | None:
     """The checkpoint with the highest step in ``run_dir``, or None."""
-    found = [(int(m.group(1)), p) for p in Path(run_dir).glob("ckpt-*.safetensors") if (m := _NAME.match(p.name))]
-    return max(found)[1] if found else None
+    found = _checkpoints(Path(run_dir))
+    return found[-1][1] if found else None
+
+
+def read_latest(run_dir: str | os.PathLike) -> tuple[Path, dict[str, torch.Tensor], dict] | None:
+    """(path, tensors, header) of the newest checkpoint in ``run_dir``, or None when it has none.
+    When the newest is damaged, the :class:`CheckpointError` also says which older one is
+    intact and how to continue from it."""
+    found = _checkpoints(Path(run_dir))
+    if not found:
+        return None
+    newest = found[-1][1]
+    try:
+        return newest, *read(newest)
+    except CheckpointError as e:
+        if not newest.exists():  # pruned by the run saving there since we listed the folder
+            return read_latest(run_dir)
+        raise CheckpointError(f"{e}; {_intact_before(found[:-1], newest)}") from None
 
 
 def save(run_dir: str | os.PathLike, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, *,
          meta: dict, keep: int) -> Path:
-    """Write ``ckpt-<step>.safetensors`` atomically and keep the newest ``keep`` checkpoints.
+    """Write ``ckpt-<step>.safetensors`` atomically (``run_dir`` is created if missing) and keep
+    the newest ``keep`` checkpoints.
 
     ``meta`` is any JSON-serialisable dict (configs, progress); it comes back from :func:`load`.
     ``model`` may be wrapped in DDP, FSDP2 or ``torch.compile``. Collective under distributed.
@@ -64,6 +87,7 @@ def save(run_dir: str | os.PathLike, step: int, model: nn.Module, optimizer: tor
     path = path_for(run_dir, step)
     if rank() != 0:
         return path
+    path.parent.mkdir(parents=True, exist_ok=True)
     aliases = tied_names(model)
     tensors = {f"model/{k}": v for k, v in model_sd.items() if k not in aliases}
     scalars = {}
@@ -74,8 +98,9 @@ def save(run_dir: str | os.PathLike, step: int, model: nn.Module, optimizer: tor
             else:
                 scalars[f"{name}/{key}"] = value
     tensors = {k: v.detach().contiguous() for k, v in tensors.items()}
-    header = {"format": FORMAT, "meta": meta, "aliases": aliases, "param_groups": optim_sd["param_groups"],
-              "optim_scalars": scalars, "sha256": _digest(tensors)}
+    header = json.loads(json.dumps({"format": FORMAT, "meta": meta, "aliases": aliases,  # as a reader parses it
+                                    "param_groups": optim_sd["param_groups"], "optim_scalars": scalars}))
+    header["sha256"] = _digest(tensors, header)
     _write_atomic(path, tensors, json.dumps(header))
     _prune(Path(run_dir), keep)
     return path
@@ -90,9 +115,14 @@ def load(path: str | os.PathLike, model: nn.Module | None = None,
         if optimizer is not None:
             raise ValueError("load: an optimizer can only be restored together with its model")
         return header["meta"]
-    model_sd = {k.removeprefix("model/"): v for k, v in tensors.items() if k.startswith("model/")}
-    for alias, source in header["aliases"].items():
-        model_sd[alias] = model_sd[source]
+    return restore(path, tensors, header, model, optimizer)
+
+
+def restore(path: str | os.PathLike, tensors: dict[str, torch.Tensor], header: dict, model: nn.Module,
+            optimizer: torch.optim.Optimizer | None = None) -> dict:
+    """:func:`load` of a checkpoint already :func:`read` from ``path`` (named in errors): its
+    weights into ``model``, its state into ``optimizer`` when given; returns its ``meta``."""
+    model_sd = weights_of(tensors, header)
     expected = set(unwrap(model).state_dict())
     if set(model_sd) != expected:  # checked here: a full-state-dict load would silently keep missing keys
         missing, unexpected = sorted(expected - set(model_sd)), sorted(set(model_sd) - expected)
@@ -131,10 +161,17 @@ def read(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict]:
             tensors = {k: f.get_tensor(k) for k in f.keys()}
     except Exception as e:  # the Rust reader raises its own types for malformed files
         raise CheckpointError(f"checkpoint {path} is truncated or corrupted ({one_line(e)})") from None
-    if not isinstance(header, dict) or header.get("format") != FORMAT:
+    if not isinstance(header, dict) or not str(header.get("format", "")).startswith("selfattn-checkpoint-"):
         raise CheckpointError(f"checkpoint {path} is not a selfattn checkpoint (no {FORMAT!r} header)")
-    if _digest(tensors) != header["sha256"]:
-        raise CheckpointError(f"checkpoint {path} is corrupted (SHA-256 of its tensors does not match)")
+    if header["format"] != FORMAT:
+        why = _OLDER.get(header["format"], "it was written by a newer selfattn")
+        raise CheckpointError(f"checkpoint {path} has format {header['format']!r}, which this selfattn does not "
+                              f"read ({why}); it reads {FORMAT!r}")
+    missing = [key for key in _HEADER_KEYS if key not in header]
+    if missing:
+        raise CheckpointError(f"checkpoint {path} is corrupted (its header lacks {', '.join(missing)})")
+    if _digest(tensors, header) != header["sha256"]:
+        raise CheckpointError(f"checkpoint {path} is corrupted (SHA-256 of its tensors and header does not match)")
     return tensors, header
 
 
@@ -154,10 +191,15 @@ def read_weights(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict
             raise CheckpointError(f"checkpoint {path} is not a state dict of tensors")
         return state, None
     tensors, header = read(path)
+    return weights_of(tensors, header), header["meta"]
+
+
+def weights_of(tensors: dict[str, torch.Tensor], header: dict) -> dict[str, torch.Tensor]:
+    """The model weights of a checkpoint :func:`read` returned, tied names restored."""
     weights = {k.removeprefix("model/"): v for k, v in tensors.items() if k.startswith("model/")}
     for alias, source in header["aliases"].items():
         weights[alias] = weights[source]
-    return weights, header["meta"]
+    return weights
 
 
 def tied_names(model: nn.Module) -> dict[str, str]:
@@ -179,17 +221,44 @@ def _write_atomic(path: Path, tensors: dict, header_json: str) -> None:
         safetensors.torch.save_file(tensors, str(tmp), metadata={"selfattn": header_json})
 
 
+def _checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
+    """(step, path) of every checkpoint in ``run_dir``, oldest first."""
+    return sorted((int(m.group(1)), p) for p in run_dir.glob("ckpt-*.safetensors") if (m := _NAME.match(p.name)))
+
+
+def _intact_before(older: list[tuple[int, Path]], damaged: Path) -> str:
+    """Which of the ``older`` checkpoints (oldest first) is the newest intact one, and what to do."""
+    for step, path in reversed(older):
+        try:
+            read(path)
+        except CheckpointError:
+            continue
+        return (f"the older {path.name} (step {step}) is intact: move the damaged file away "
+                f"(mv {damaged} {damaged}.damaged) to continue from it")
+    return "no older checkpoint is intact" if older else "it is the run's only checkpoint"
+
+
+def remove_temporaries(run_dir: str | os.PathLike) -> None:
+    """Delete what killed saves left in ``run_dir``: our temporaries ``.ckpt-*.safetensors.tmp-<pid>``
+    and those of the safetensors writer itself (``.tmpXXXXXX``, renamed to ours when complete).
+    Only where no save is in flight: one run saves in a run folder (its lock)."""
+    _files.remove_temporaries(run_dir, "ckpt-*.safetensors")
+    for tmp in Path(run_dir).glob(".tmp??????"):
+        tmp.unlink(missing_ok=True)
+
+
 def _prune(run_dir: Path, keep: int) -> None:
     """Delete checkpoints older than the newest ``keep``, and temporaries of killed saves."""
-    found = sorted((int(m.group(1)), p) for p in run_dir.glob("ckpt-*.safetensors") if (m := _NAME.match(p.name)))
+    found = _checkpoints(run_dir)
     for _, p in found[:max(len(found) - keep, 0)]:
         p.unlink()
-    for tmp in run_dir.glob(".ckpt-*.safetensors.tmp-*"):
-        tmp.unlink(missing_ok=True)  # only rank 0 of one run saves here, so no save is in flight
+    remove_temporaries(run_dir)
 
 
-def _digest(tensors: dict[str, torch.Tensor]) -> str:
-    h = hashlib.sha256()
+def _digest(tensors: dict[str, torch.Tensor], header: dict) -> str:
+    """SHA-256 of all a checkpoint holds but this digest: the header's canonical JSON without
+    ``sha256``, then every tensor's name, dtype, shape and bytes."""
+    h = hashlib.sha256(json.dumps({k: v for k, v in header.items() if k != "sha256"}, sort_keys=True).encode())
     for name in sorted(tensors):
         t = tensors[name]
         h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())

@@ -64,33 +64,37 @@ class Corpus:
 
 
 def prepare(cache_dir: str | os.PathLike, *, data: str | None, tokenizer: str, bpe_vocab: int,
-            val_fraction: float, block_size: int) -> Corpus:
-    """Tokenize the corpus into ``cache_dir`` (once: a cache whose recipe and corpus fingerprint
-    match is reused) and open both splits memory-mapped. Val is the last ``val_fraction`` of the
-    tokens. Raises ``ValueError`` when either split is shorter than one block plus one token."""
+            val_fraction: float, block_size: int, trained_on: str | None = None) -> Corpus:
+    """Tokenize the corpus into ``cache_dir`` (once: a whole cache whose recipe and corpus
+    fingerprint match is reused) and open both splits memory-mapped. Val is the last
+    ``val_fraction`` of the tokens. Raises ``ValueError``, before anything is written, when
+    either split is shorter than one block plus one token, or when the corpus is not the one
+    of fingerprint ``trained_on`` (the corpus a resumed run was trained on)."""
     if tokenizer not in ("byte", "bpe"):
         raise ValueError(f"tokenizer must be 'byte' or 'bpe', got {tokenizer!r}")
     if not 0.0 < val_fraction < 1.0:
         raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction!r}")
     text, description = read_corpus(data)
+    fingerprint = hashlib.sha256(text.encode("utf-8")).hexdigest()
+    if trained_on is not None and fingerprint != trained_on:
+        raise ValueError(f"the corpus ({description}, SHA-256 {fingerprint[:12]}...) is not the one this run was "
+                         f"trained on (SHA-256 {trained_on[:12]}...); nothing was written")
     cache = Path(cache_dir)
-    recipe = {"fingerprint": hashlib.sha256(text.encode("utf-8")).hexdigest(), "tokenizer": tokenizer,
+    recipe = {"fingerprint": fingerprint, "tokenizer": tokenizer,
               "bpe_vocab": bpe_vocab if tokenizer == "bpe" else None, "val_fraction": val_fraction}
-    meta_path = cache / "meta.json"
-    meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
-    if meta.get("recipe") != recipe:
-        meta = _write_cache(cache, text, recipe)
-    for name in ("train", "val"):
-        if meta[f"n_{name}"] < block_size + 1:
-            raise ValueError(f"corpus too short: {meta['n_train'] + meta['n_val']} tokens split into "
-                             f"{meta['n_train']} train / {meta['n_val']} val, but one block of the {name} "
-                             f"split needs block_size + 1 = {block_size + 1}; use more text or a smaller "
-                             f"--block-size")
+    meta = _cached(cache, recipe)
+    if meta is None:
+        tok = ByteTokenizer() if tokenizer == "byte" else BPETokenizer.train(text, bpe_vocab)
+        ids = _token_ids(text, tok)
+        n_val = int(len(ids) * val_fraction)
+        _check_lengths(len(ids) - n_val, n_val, block_size)
+        meta = _write_cache(cache, ids, n_val, tok, recipe)
+    _check_lengths(meta["n_train"], meta["n_val"], block_size)
     tok = from_spec(meta["tokenizer_spec"])
     dtype = getattr(torch, meta["dtype"])
     splits = {name: torch.from_file(str(cache / f"{name}.bin"), shared=False, size=meta[f"n_{name}"], dtype=dtype)
               for name in ("train", "val")}
-    return Corpus(splits["train"], splits["val"], tok, description, recipe["fingerprint"])
+    return Corpus(splits["train"], splits["val"], tok, description, fingerprint)
 
 
 def batch(split: Tensor, *, seed: int, step: int, batch_size: int, block_size: int, part: int = 0,
@@ -122,22 +126,41 @@ def _read_text(path: Path) -> str:
         raise ValueError(f"data file {str(path)!r} is not UTF-8 text (byte {e.start} is {bad!r})") from None
 
 
-def _write_cache(cache: Path, text: str, recipe: dict) -> dict:
+def _check_lengths(n_train: int, n_val: int, block_size: int) -> None:
+    for name, n in (("train", n_train), ("val", n_val)):
+        if n < block_size + 1:
+            raise ValueError(f"corpus too short: {n_train + n_val} tokens split into {n_train} train / {n_val} val, "
+                             f"but one block of the {name} split needs block_size + 1 = {block_size + 1}; use more "
+                             f"text or a smaller --block-size")
+
+
+def _token_ids(text: str, tok: ByteTokenizer | BPETokenizer) -> Tensor:
+    """The ids of ``text`` in the smallest dtype that holds the vocabulary: uint8, uint16, else int32."""
+    if isinstance(tok, ByteTokenizer):
+        return torch.frombuffer(bytearray(text.encode("utf-8")), dtype=torch.uint8)
+    dtype = torch.uint16 if tok.vocab_size <= 65536 else torch.int32
+    return torch.tensor(tok.encode(text), dtype=torch.int32).to(dtype)
+
+
+def _cached(cache: Path, recipe: dict) -> dict | None:
+    """The cache's ``meta.json`` when ``recipe`` built it and both splits are whole; else None
+    (missing, another recipe, unreadable, or a split cut short: it is rebuilt)."""
+    try:
+        meta = json.loads((cache / "meta.json").read_text())
+        itemsize = getattr(torch, meta["dtype"]).itemsize
+        whole = all((cache / f"{name}.bin").stat().st_size == meta[f"n_{name}"] * itemsize for name in ("train", "val"))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+    return meta if whole and meta.get("recipe") == recipe else None
+
+
+def _write_cache(cache: Path, ids: Tensor, n_val: int, tok: ByteTokenizer | BPETokenizer, recipe: dict) -> dict:
     cache.mkdir(parents=True, exist_ok=True)
-    tok = ByteTokenizer() if recipe["tokenizer"] == "byte" else BPETokenizer.train(text, recipe["bpe_vocab"])
-    dtype = torch.uint8 if tok.vocab_size <= 256 else torch.uint16 if tok.vocab_size <= 65536 else torch.int32
-    if recipe["tokenizer"] == "byte":
-        ids = torch.frombuffer(bytearray(text.encode("utf-8")), dtype=torch.uint8)
-    else:
-        ids = torch.tensor(tok.encode(text), dtype=torch.int32).to(dtype)
-    n_val = int(len(ids) * recipe["val_fraction"])
-    meta = {"recipe": recipe, "tokenizer_spec": tok.spec(), "dtype": str(dtype).removeprefix("torch."),
+    (cache / "meta.json").unlink(missing_ok=True)  # first: splits half rewritten are never taken for the old cache
+    meta = {"recipe": recipe, "tokenizer_spec": tok.spec(), "dtype": str(ids.dtype).removeprefix("torch."),
             "n_train": len(ids) - n_val, "n_val": n_val}
     for name, part in (("train", ids[:len(ids) - n_val]), ("val", ids[len(ids) - n_val:])):
-        with _files.atomic_path(cache / f"{name}.bin") as tmp:
-            tmp.write_bytes(b"")  # from_file maps (and grows) an existing file; an empty split stays empty
-            torch.from_file(str(tmp), shared=True, size=len(part), dtype=dtype).copy_(part)
+        with _files.atomic_path(cache / f"{name}.bin") as tmp, open(tmp, "wb") as f:
+            f.write(memoryview(part.numpy()))  # write(), not a memory map: a full disk is an error, not a SIGBUS
     _files.write_text(cache / "meta.json", json.dumps(meta))  # written last: a cache without meta.json is rebuilt
     return meta
-
-

@@ -2,9 +2,11 @@
 
 :func:`train` runs the loop over a run folder: checkpoints (``ckpt-*.safetensors``),
 ``config.json`` (and ``tokenizer.json`` for BPE), ``log.jsonl`` (one record per step and per
-evaluation), ``loss.png`` and the token cache ``tokens/``. Resuming continues from the newest
-checkpoint exactly: on CPU in float32 the losses equal, step for step, those of a run that
-never stopped. :func:`resolve_configs` layers the configs a run starts from.
+evaluation), ``loss.png``, the token cache ``tokens/`` and, while a process trains there, its
+lock ``.lock`` (a second process is refused, naming the first's PID). Resuming continues from
+the newest checkpoint exactly: on CPU in float32 the losses equal, step for step, those of a
+run that never stopped, however often it was killed. :func:`resolve_configs` layers the configs
+a run starts from and refuses, on resume, flags that would change its model shape or its tokens.
 
 Determinism by construction: the rows of step s and its dropout masks come from seeds derived
 from (seed, step, rank), never from a stream consumed by earlier steps, so a checkpoint needs
@@ -34,7 +36,7 @@ from torch import nn
 from selfattn import _files, _plot, _validate
 from selfattn._seeds import stream_seed
 from selfattn.model import GPT, GPTConfig
-from selfattn.training import checkpoint, data, parallel
+from selfattn.training import checkpoint, data, lock, parallel
 
 
 @dataclass
@@ -93,6 +95,11 @@ PRESETS = {
                   min_lr=6e-5, warmup_steps=700, beta2=0.95, eval_every=250, save_every=1000, bf16=True)),
 }
 _MODEL_FIELDS_CHANGEABLE_ON_RESUME = ("backend", "dropout")  # they change no parameter shape
+_DATA_FIELDS_KEPT_ON_RESUME = {  # TrainConfig field -> why a resumed run keeps it (the corpus: by its fingerprint)
+    "tokenizer": "the model's vocabulary and the token cache come from it",
+    "bpe_vocab": "the model's vocabulary and the token cache come from it",
+    "val_fraction": "another split would move trained tokens into validation",
+}
 
 
 class Diverged(RuntimeError):
@@ -125,14 +132,11 @@ def resolve_configs(out: str | os.PathLike, *, preset: str | None = None, config
     if resume:
         if preset or config:
             raise ValueError("--resume keeps the run's configs; drop --preset/--config and pass single flags")
-        ckpt = checkpoint.latest(out)
-        if ckpt is None:
+        found = checkpoint.read_latest(out)
+        if found is None:
             raise ValueError(f"--resume: no checkpoint (ckpt-*.safetensors) in {str(out)!r}")
-        meta = checkpoint.load(ckpt)
-        for key, value in model_flags.items():
-            if key not in _MODEL_FIELDS_CHANGEABLE_ON_RESUME and value != meta["model"][key]:
-                raise ValueError(f"--resume: --{key.replace('_', '-')} {value!r} differs from the checkpoint's "
-                                 f"{key}={meta['model'][key]!r}; a resumed run keeps its model shape")
+        ckpt, meta = found[0], found[2]["meta"]
+        _check_resume_flags(ckpt, meta, model_flags, train_flags)
         return (GPTConfig(**{**meta["model"], **model_flags}), TrainConfig(**{**meta["train"], **train_flags}), ckpt)
     if checkpoint.latest(out) is not None:
         raise ValueError(f"{str(out)!r} already holds checkpoints; pass --resume to continue it, or another --out")
@@ -144,11 +148,29 @@ def resolve_configs(out: str | os.PathLike, *, preset: str | None = None, config
     return (GPTConfig(**{**model_vals, **model_flags}), TrainConfig(**{**train_vals, **train_flags}), None)
 
 
+def _check_resume_flags(ckpt: Path, meta: dict, model_flags: dict, train_flags: dict) -> None:
+    """Refuse flags that would change what a resumed run is: its model shape, its tokens."""
+    missing = [key for key in ("model", "train", "data", "step") if key not in meta]
+    if missing:
+        raise ValueError(f"--resume: {ckpt} was not written by selfattn train (its meta has no {missing[0]!r})")
+    changed = [(key, value, meta["model"][key], "a resumed run keeps its model shape")
+               for key, value in model_flags.items()
+               if key not in _MODEL_FIELDS_CHANGEABLE_ON_RESUME and value != meta["model"][key]]
+    changed += [(key, train_flags[key], meta["train"][key], why) for key, why in _DATA_FIELDS_KEPT_ON_RESUME.items()
+                if key in train_flags and train_flags[key] != meta["train"][key]]
+    if changed:
+        key, value, saved, why = changed[0]
+        raise ValueError(f"--resume: --{key.replace('_', '-')} {value!r} differs from the checkpoint's "
+                         f"{key}={saved!r}; {why}")
+
+
 def _read_config_file(path: str, model_vals: dict, train_vals: dict) -> tuple[dict, dict]:
     try:
         content = json.loads(Path(path).read_text())
     except json.JSONDecodeError as e:
         raise ValueError(f"--config {path}: invalid JSON at line {e.lineno} column {e.colno}: {e.msg}") from None
+    except UnicodeDecodeError as e:
+        raise ValueError(f"--config {path}: not UTF-8 text (byte {e.start})") from None
     if not isinstance(content, dict) or set(content) - {"model", "train"}:
         extra = sorted(set(content) - {"model", "train"}) if isinstance(content, dict) else type(content).__name__
         raise ValueError(f"--config {path}: expected an object with keys 'model' and/or 'train', got {extra}")
@@ -161,26 +183,36 @@ def _read_config_file(path: str, model_vals: dict, train_vals: dict) -> tuple[di
 
 def train(model_cfg: GPTConfig, cfg: TrainConfig, out: str | os.PathLike, *, resume_from: Path | None = None,
           on_event: OnEvent | None = None) -> TrainResult:
-    """Run the training loop in the run folder ``out``. Raises :class:`Diverged` on a NaN/inf loss."""
-    out = Path(out)
+    """Run the training loop in the run folder ``out``, holding its lock
+    (:mod:`selfattn.training.lock`). Raises :class:`Diverged` on a NaN/inf loss; every refusal
+    (a bad value, another corpus on resume) comes before anything in ``out`` is written."""
+    with lock.hold(out):
+        return _train(model_cfg, cfg, Path(out), resume_from, on_event)
+
+
+def _train(model_cfg: GPTConfig, cfg: TrainConfig, out: Path, resume_from: Path | None,
+           on_event: OnEvent | None) -> TrainResult:
     rank, world, device = parallel.setup(_validate.device(cfg.device), cfg.fsdp)
     if cfg.batch_size % (world * cfg.grad_accum):
         raise ValueError(f"batch_size={cfg.batch_size} must be a multiple of ranks * grad_accum = "
                          f"{world} * {cfg.grad_accum}")
     report = on_event if on_event is not None and rank == 0 else lambda kind, record: None
-    corpus = _prepare_data(out, cfg, model_cfg.block_size, rank)
+    if rank == 0:  # the folder is locked: every temporary in it is a killed writer's
+        for folder in (out, out / "tokens"):
+            _files.remove_temporaries(folder)
+        checkpoint.remove_temporaries(out)
+    saved = checkpoint.read(resume_from) if resume_from is not None else None  # (tensors, header), verified
+    trained_on = saved[1]["meta"]["data"]["fingerprint"] if saved else None
+    corpus = _prepare_data(out, cfg, model_cfg.block_size, rank, trained_on)
     model_cfg = dataclasses.replace(model_cfg, vocab_size=corpus.tokenizer.vocab_size)
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank
     raw = GPT(model_cfg).to(device)
     run = _Run(parallel.wrap(raw, compile=cfg.compile, fsdp=cfg.fsdp, world=world, device=device),
                corpus, cfg, model_cfg, rank, world, device)
     start, records = 0, []
-    if resume_from is not None:
-        meta = checkpoint.load(resume_from, run.model, run.optimizer)
-        if meta["data"]["fingerprint"] != corpus.fingerprint:
-            raise ValueError(f"--resume: the corpus ({corpus.description}) differs from the one {resume_from} "
-                             f"was trained on")
-        start = meta["step"]
+    if saved is not None:
+        start = checkpoint.restore(resume_from, *saved, run.model, run.optimizer)["step"]
+        saved = None  # the model and the optimizer hold copies: free these
         records = [r for r in _read_log(out) if r["step"] <= start]  # drop steps the checkpoint never saw
     log = _Log(out, records, rank)
     if rank == 0:
@@ -277,11 +309,11 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1.0 + math.cos(math.pi * progress))
 
 
-def _prepare_data(out: Path, cfg: TrainConfig, block_size: int, rank: int) -> data.Corpus:
+def _prepare_data(out: Path, cfg: TrainConfig, block_size: int, rank: int, trained_on: str | None) -> data.Corpus:
     """Rank 0 tokenizes (or finds the cache) first; then the first rank of every other machine
     (a cache hit on a shared disk, else built on its own); then everyone opens the cache."""
     kwargs = dict(data=cfg.data, tokenizer=cfg.tokenizer, bpe_vocab=cfg.bpe_vocab,
-                  val_fraction=cfg.val_fraction, block_size=block_size)
+                  val_fraction=cfg.val_fraction, block_size=block_size, trained_on=trained_on)
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     corpus = None
     for turn in (rank == 0, rank != 0 and local_rank == 0):
@@ -318,8 +350,7 @@ class _Log:
     def add(self, record: dict) -> None:
         if self.active:
             self.records.append(record)
-            with open(self.out / "log.jsonl", "a") as f:
-                f.write(json.dumps(record) + "\n")
+            _files.append_text(self.out / "log.jsonl", json.dumps(record) + "\n")
 
     def last(self, key: str) -> float:
         return next((r[key] for r in reversed(self.records) if key in r), float("nan"))

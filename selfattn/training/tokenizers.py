@@ -13,6 +13,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from selfattn._validate import one_line
+
 
 class ByteTokenizer:
     """Token id = byte value of the UTF-8 encoding; vocabulary 256."""
@@ -58,8 +60,13 @@ class BPETokenizer:
         return cls(tok)
 
     @classmethod
-    def from_json(cls, text: str) -> BPETokenizer:
-        return cls(_import_tokenizers().Tokenizer.from_str(text))
+    def from_json(cls, text: str, where: str = "tokenizer JSON") -> BPETokenizer:
+        """The tokenizer serialised in ``text``; ValueError naming ``where`` it came from when unreadable."""
+        tokenizers = _import_tokenizers()
+        try:
+            return cls(tokenizers.Tokenizer.from_str(text))
+        except Exception as e:  # the Rust parser raises a bare Exception
+            raise ValueError(f"{where} is not a tokenizer the 'tokenizers' library can read ({one_line(e)})") from None
 
     @classmethod
     def from_folder(cls, path: str | os.PathLike) -> BPETokenizer:
@@ -67,9 +74,13 @@ class BPETokenizer:
         ``vocab.json`` + ``merges.txt``."""
         tokenizers, folder = _import_tokenizers(), Path(path)
         if (folder / "tokenizer.json").is_file():
-            return cls(tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json")))
+            file = folder / "tokenizer.json"
+            return cls.from_json(file.read_text(errors="replace"), str(file))
         if (folder / "vocab.json").is_file() and (folder / "merges.txt").is_file():
-            bpe = tokenizers.models.BPE.from_file(str(folder / "vocab.json"), str(folder / "merges.txt"))
+            try:
+                bpe = tokenizers.models.BPE.from_file(str(folder / "vocab.json"), str(folder / "merges.txt"))
+            except Exception as e:  # the Rust parser raises a bare Exception
+                raise ValueError(f"{folder}: vocab.json + merges.txt cannot be read ({one_line(e)})") from None
             return cls(_byte_level(tokenizers.Tokenizer(bpe)))
         raise ValueError(f"{str(folder)!r} has no tokenizer.json (or vocab.json + merges.txt) beside its weights")
 

@@ -46,6 +46,16 @@ LEAKY = textwrap.dedent("""
 
     def tokens():
         return Tokens()
+
+    def broken():
+        raise ValueError("bad factory value")
+
+    class Crashes(nn.Module):
+        def forward(self, x):
+            raise RuntimeError("mat1 and mat2 shapes cannot be multiplied")
+
+    def crashes():
+        return Crashes()
 """)
 
 
@@ -113,6 +123,9 @@ def test_user_modules_in_process(user_modules, capsys):
     (["--module", "user_mod:build", "--shape", "2,x,8"], ["--shape", "'2,x,8'"]),
     (["--ckpt", "nowhere", "--module", "user_mod:build"], ["not both"]),
     (["--seq-len", "1"], ["--seq-len", "1"]),
+    (["--module", "user_mod:broken"], ["the factory user_mod:broken() raised ValueError: bad factory value"]),
+    (["--module", "user_mod:crashes", "--shape", "2,5,8"],
+     ["the module user_mod:crashes() built raised RuntimeError on an input of shape (2, 5, 8): mat1 and mat2"]),
 ])
 def test_bad_flags_are_one_line_errors(user_modules, capsys, args, words):
     assert main(["check", *args]) == 2

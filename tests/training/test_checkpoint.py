@@ -67,6 +67,7 @@ def test_tied_weight_is_stored_once(tmp_path):
 def test_keeps_the_newest_k_and_removes_leftover_temporaries(tmp_path):
     model, opt = _trained(steps=1)
     (tmp_path / ".ckpt-0000003.safetensors.tmp-999").write_bytes(b"half a file from a killed save")
+    (tmp_path / ".tmpAb3x9Z").write_bytes(b"half a file the safetensors writer was writing when killed")
     for step in (1, 2, 3, 4):
         checkpoint.save(tmp_path, step, model, opt, meta={"step": step}, keep=2)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-0000003.safetensors", "ckpt-0000004.safetensors"]
@@ -95,7 +96,7 @@ def _damage(path, how):
 
 @pytest.mark.parametrize("how, message", [
     ("truncated", "is truncated or corrupted"),
-    ("bit flip in the weights", "is corrupted (SHA-256 of its tensors does not match)"),
+    ("bit flip in the weights", "is corrupted (SHA-256 of its tensors and header does not match)"),
     ("garbage header", "is truncated or corrupted"),
     ("empty", "is truncated or corrupted"),
 ])
@@ -106,6 +107,75 @@ def test_damaged_checkpoint_is_a_one_line_error_naming_the_file(saved, how, mess
         with pytest.raises(checkpoint.CheckpointError) as e:
             reader(saved)
         assert str(saved) in str(e.value) and message in str(e.value) and "\n" not in str(e.value)
+
+
+def _edit_header(path, old: str, new: str):
+    """Replace ``old`` by ``new`` (same length) in the JSON header, the way a hex editor would."""
+    raw = path.read_bytes()
+    escaped = [s.replace('"', '\\"').encode() for s in (old, new)]  # the header is a JSON string in the file's JSON
+    assert len(escaped[0]) == len(escaped[1]) and raw.count(escaped[0]) == 1
+    path.write_bytes(raw.replace(*escaped))
+
+
+@pytest.mark.parametrize("old, new", [('"step": 5', '"step": 9'), ('"lr": 0.01', '"lr": 9.01'),
+                                      ('"weight_decay": 0.1', '"weight_decay": 0.7')])
+def test_a_one_digit_edit_of_the_header_is_refused(saved, old, new):
+    _edit_header(saved, old, new)
+    with pytest.raises(checkpoint.CheckpointError) as e:
+        checkpoint.load(saved)
+    assert str(e.value) == f"checkpoint {saved} is corrupted (SHA-256 of its tensors and header does not match)"
+
+
+def test_the_digest_checker_can_fail(saved):
+    """Negative control: the same edit with the digest recomputed reads, so the digest is what refuses it."""
+    from safetensors.torch import save_file
+
+    tensors, header = checkpoint.read(saved)
+    header["meta"]["step"] = 9
+    header["sha256"] = checkpoint._digest(tensors, header)
+    save_file(tensors, str(saved), metadata={"selfattn": json.dumps(header)})
+    assert checkpoint.load(saved) == {"step": 9}
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda h: h.pop("sha256"), "is corrupted (its header lacks sha256)"),
+    (lambda h: h.update(format="selfattn-checkpoint-1"),
+     "has format 'selfattn-checkpoint-1', which this selfattn does not read (its digest covers the tensors but not "
+     "the header); it reads 'selfattn-checkpoint-2'"),
+    (lambda h: h.update(format="selfattn-checkpoint-3"), "(it was written by a newer selfattn)"),
+])
+def test_headers_without_a_digest_or_of_another_format_are_refused(saved, change, message):
+    from safetensors.torch import save_file
+
+    tensors, header = checkpoint.read(saved)
+    change(header)
+    save_file(tensors, str(saved), metadata={"selfattn": json.dumps(header)})
+    with pytest.raises(checkpoint.CheckpointError) as e:
+        checkpoint.read(saved)
+    assert str(saved) in str(e.value) and message in str(e.value)
+
+
+def test_a_damaged_newest_checkpoint_names_the_older_intact_one(tmp_path):
+    model, opt = _trained(steps=1)
+    for step in (1, 2, 3):
+        checkpoint.save(tmp_path, step, model, opt, meta={"step": step}, keep=3)
+    assert checkpoint.read_latest(tmp_path)[0].name == "ckpt-0000003.safetensors"
+    _damage(tmp_path / "ckpt-0000003.safetensors", "bit flip in the weights")
+    _damage(tmp_path / "ckpt-0000002.safetensors", "truncated")
+    with pytest.raises(checkpoint.CheckpointError) as e:
+        checkpoint.read_latest(tmp_path)
+    newest = tmp_path / "ckpt-0000003.safetensors"
+    assert str(e.value).endswith(f"; the older ckpt-0000001.safetensors (step 1) is intact: move the damaged file "
+                                 f"away (mv {newest} {newest}.damaged) to continue from it")
+    newest.rename(f"{newest}.damaged")  # what the message says to do
+    with pytest.raises(checkpoint.CheckpointError, match="; the older ckpt-0000001.safetensors"):
+        checkpoint.read_latest(tmp_path)  # ckpt-2, truncated, is the newest now
+    (tmp_path / "ckpt-0000002.safetensors").unlink()
+    assert checkpoint.read_latest(tmp_path)[2]["meta"] == {"step": 1}
+    _damage(tmp_path / "ckpt-0000001.safetensors", "empty")
+    with pytest.raises(checkpoint.CheckpointError, match="; it is the run's only checkpoint$"):
+        checkpoint.read_latest(tmp_path)
+    assert checkpoint.read_latest(tmp_path / "nothing") is None
 
 
 def test_damaged_checkpoint_through_the_cli_is_exit_2(saved, capsys):

@@ -174,3 +174,30 @@ def test_bad_data_errors_name_the_problem(tmp_path, capsys, kind, message):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("selfattn train: error: ") and message in err
     assert str(path) in err or kind == "short"
+
+
+def test_a_damaged_or_half_rebuilt_cache_is_rebuilt_not_trusted(tmp_path):
+    corpus_file = tmp_path / "corpus.txt"
+    corpus_file.write_text("abcdefghij" * 100)
+    kw = dict(data=str(corpus_file), tokenizer="byte", bpe_vocab=300, val_fraction=0.1, block_size=16)
+    cache = tmp_path / "tokens"
+    want = data.prepare(cache, **kw).train.clone()
+    (cache / "train.bin").write_bytes((cache / "train.bin").read_bytes()[:100])  # cut short
+    assert torch.equal(data.prepare(cache, **kw).train, want)
+    (cache / "meta.json").write_text("{not json")
+    assert torch.equal(data.prepare(cache, **kw).train, want)
+    stamp = (cache / "meta.json").stat().st_mtime_ns
+    assert data.prepare(cache, **kw) and (cache / "meta.json").stat().st_mtime_ns == stamp  # control: whole, reused
+
+
+def test_refusals_come_before_anything_is_written(tmp_path):
+    corpus_file = tmp_path / "corpus.txt"
+    corpus_file.write_text("abcdefghij" * 10)
+    kw = dict(data=str(corpus_file), tokenizer="byte", bpe_vocab=300, val_fraction=0.1)
+    with pytest.raises(ValueError, match="corpus too short"):
+        data.prepare(tmp_path / "tokens", **kw, block_size=64)
+    with pytest.raises(ValueError, match=r"is not the one this run was trained on \(SHA-256 0123456789ab...\)"):
+        data.prepare(tmp_path / "tokens", **kw, block_size=4, trained_on="0123456789abcdef")
+    assert not (tmp_path / "tokens").exists()
+    assert data.prepare(tmp_path / "tokens", **kw, block_size=4).fingerprint  # control: valid, it writes
+    assert (tmp_path / "tokens" / "meta.json").exists()

@@ -205,6 +205,43 @@ def test_resume_refusals(runs, tmp_path, capsys):
     assert "nothing to do" in capsys.readouterr().out
 
 
+def _tree(folder):
+    """{relative path: SHA-256} of every file under ``folder``."""
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--val-fraction", "0.5"], "--val-fraction 0.5 differs from the checkpoint's val_fraction=0.1; another split "
+                                "would move trained tokens into validation"),
+    (["--tokenizer", "bpe"], "--tokenizer 'bpe' differs from the checkpoint's tokenizer='byte'; the model's "
+                             "vocabulary and the token cache come from it"),
+    (["--data", "OTHER"], "is not the one this run was trained on"),
+])
+def test_a_resume_that_would_change_the_tokens_is_refused_before_writing(runs, tmp_path, capsys, flags, message):
+    run = tmp_path / "run"
+    shutil.copytree(runs["whole"], run)
+    (tmp_path / "other.txt").write_text("another corpus " * 200)
+    before = _tree(run)
+    flags = [str(tmp_path / "other.txt") if f == "OTHER" else f for f in flags]
+    assert main(["train", "--resume", *flags, "--max-steps", "8", "--out", str(run)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err, err
+    assert _tree(run) == before  # tokens/, the log, the checkpoints: nothing rewritten
+
+
+def test_resuming_what_train_did_not_write_is_one_line(tmp_path, capsys):
+    model = GPT(GPTConfig(vocab_size=16, block_size=8, n_layer=1, n_head=2, n_embd=8))
+    checkpoint.save(tmp_path / "run", 3, model, torch.optim.AdamW(model.parameters()), meta={"model": {}}, keep=1)
+    assert main(["train", "--resume", "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"selfattn train: error: --resume: {tmp_path / 'run' / 'ckpt-0000003.safetensors'} was not written "
+                   f"by selfattn train (its meta has no 'train')\n")
+    (tmp_path / "file").write_text("")
+    assert main(["train", "--out", str(tmp_path / "file")]) == 2
+    assert capsys.readouterr().err == f"selfattn train: error: {str(tmp_path / 'file')!r} is a file, not a folder\n"
+
+
 def test_bf16_autocast_trains_close_to_float32(tmp_path):
     flags = MICRO + ["--max-steps", "2", "--save-every", "2", "--eval-every", "2"]
     assert main(["train", *flags, "--out", str(tmp_path / "fp32")]) == 0
