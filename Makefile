@@ -17,13 +17,21 @@ $(BIN)/selfattn: pyproject.toml
 
 setup: $(BIN)/selfattn
 
+# The page tests drive the system Chromium through Playwright (never a downloaded browser):
+# Debian's chromium package, installed once when it is missing.
+CHROMIUM := /usr/bin/chromium
+SUDO     := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+$(CHROMIUM):
+	$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get update -qq
+	$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium >/dev/null
+
 demo: setup
 	$(BIN)/selfattn demo
 	rm -rf runs/tiny
 	$(BIN)/selfattn train --preset tiny --out runs/tiny
 	$(BIN)/selfattn sample --ckpt runs/tiny --prompt "The " --max-new-tokens 300 --seed 0
 
-test: setup
+test: setup $(CHROMIUM)
 	$(BIN)/python -m pytest -q -n 2
 
 clean:

@@ -22,6 +22,8 @@ COMMANDS = {  # name -> one-line help; the module is selfattn.cli.<name>
     "heads": "attention maps and ranked head roles (previous-token, induction) of a model",
     "induction": "train a 2-layer attention-only GPT until induction heads form; 4 heads vs 1",
     "scaling": "why scores are scaled by 1/sqrt(head_dim): the softmax at init, three scalings",
+    "explore": "one self-contained HTML page: head view, model view, head roles, next-token predictions",
+    "export": "write a folder transformers loads: AutoModelForCausalLM, AutoTokenizer, pipeline",
 }
 
 

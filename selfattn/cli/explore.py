@@ -1,0 +1,55 @@
+"""Write one self-contained HTML page to explore a model's attention in any browser.
+
+``--ckpt`` takes what ``selfattn sample`` takes: a run folder of ``selfattn train``, one
+checkpoint file, or a local GPT-2 folder. The page shows the head view (queries and keys in
+two columns, lines with opacity = weight), the model view (every layer x head as a small map),
+the head-role scores of ``selfattn heads`` in a sortable table, and the model's top-5 next
+tokens and loss at every position. Without ``--text`` the input is ``--repeat`` random
+distinct tokens shown twice, on which induction heads show themselves. Data and code are
+inline; the page makes no network request (see :mod:`selfattn.analysis.explore`).
+"""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+
+from selfattn.analysis.explore import QUANT_ERROR, explore
+from selfattn.analysis.heads import repeated_tokens
+from selfattn.loading import load
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--ckpt", required=True, metavar="PATH", default=argparse.SUPPRESS,
+                   help="run folder, checkpoint file, or local GPT-2 folder saved by transformers")
+    given = p.add_mutually_exclusive_group()
+    given.add_argument("--text", default=None, help="text to look at (default: random tokens, repeated twice)")
+    given.add_argument("--repeat", type=int, default=32, metavar="N",
+                       help="without --text: N random distinct tokens, shown twice (2N positions)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random tokens")
+    p.add_argument("--out", default="out/explore.html", metavar="PAGE", help="the HTML file to write")
+
+
+def main(args: argparse.Namespace) -> int:
+    loaded = load(args.ckpt)
+    model, tokenizer = loaded.model, loaded.tokenizer
+    if args.text is None:
+        if args.repeat <= 0:
+            raise ValueError(f"--repeat must be positive, got {args.repeat}")
+        tokens = repeated_tokens(model.config.vocab_size, args.repeat,
+                                 generator=torch.Generator().manual_seed(args.seed))[0]  # (2·repeat,)
+        what = f"{args.repeat} random tokens, repeated (T={tokens.shape[0]})"
+    else:
+        tokens = torch.tensor(tokenizer.encode(args.text), dtype=torch.long)  # (T,)
+        what = f"--text, {tokens.shape[0]} tokens"
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    page = explore(model, tokens, out, tokenizer=tokenizer, title=f"{Path(args.ckpt).name}: {what}")
+    cfg = model.config
+    print(f"selfattn explore: {args.ckpt}: {cfg.n_layer} layers x {cfg.n_head} heads; input: {what}")
+    size = f"{page.size / 1e6:.2f} MB" if page.size >= 1e6 else f"{page.size / 1e3:.0f} KB"
+    print(f"  wrote {out} ({size}): weights as 8-bit codes, max error {page.max_error:.5f} "
+          f"(bound 1/510 = {QUANT_ERROR:.5f})")
+    print(f"  open it in a browser: {out.absolute().as_uri()}")
+    return 0
