@@ -38,14 +38,15 @@ def test_the_rule():
     assert _choose(*_request(**docs)) == flex  # forward with documents
     assert _choose(*_request(**window)) == flex  # forward with a short window
     assert _choose(*_request(window=auto.FLEX_WINDOW + 1)) == "tiled"  # a longer window
+    assert _choose(*_request(prefix_len=torch.tensor([100]))) == "tiled"  # prefix-LM: no window at all
 
 
 @pytest.mark.parametrize("grad,dtype,dropout_p,weights,mask", list(itertools.product(
     (False, True), (torch.float32, torch.float64, torch.bfloat16), (0.0, 0.2), (False, True),
-    ({}, {"window": 40}, {"key_padding_mask": "pad"}, {"doc_ids": "docs"}))))
+    ({}, {"window": 40}, {"key_padding_mask": "pad"}, {"doc_ids": "docs"}, {"prefix_len": "prefix"}))))
 def test_auto_never_picks_a_backend_that_refuses(grad, dtype, dropout_p, weights, mask):
     T = 700
-    extra = {"pad": torch.rand(2, T) > 0.5, "docs": (torch.rand(2, T) < 0.02).cumsum(1)}
+    extra = {"pad": torch.rand(2, T) > 0.5, "docs": (torch.rand(2, T) < 0.02).cumsum(1), "prefix": torch.tensor([50])}
     mask = {k: extra[v] if isinstance(v, str) else v for k, v in mask.items()}
     q, k, v, m = _request(T=T, B=2, grad=grad, dtype=dtype, **mask)
     name = _choose(q, k, v, m, dropout_p, weights)
