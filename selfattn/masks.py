@@ -25,6 +25,11 @@ The rules, all combinable (True = may attend):
 
 A query row that can see nothing (e.g. a left-padding query) is defined to output zeros.
 
+A part of the pairs. A kernel may be handed only some of the queries and keys (ring attention
+hands each rank its shard, a block at a time): ``q_start`` and ``k_start`` place a block of T
+queries and S keys in the whole sequence, whose positions the mask's rules and per-position
+tensors speak of. The default is the layout above: ``k_start = 0``, ``q_start = S - T``.
+
 Block map. Tiled kernels cut the T x S pairs into tiles of ``block_q`` queries by ``block_k``
 keys; :meth:`Mask.blocks` says for every (batch row, query tile, key tile) whether the mask
 hides all of the tile's pairs (the kernel skips it), shows all of them (no mask is applied)
@@ -144,15 +149,19 @@ class Mask:
         return Mask(self.causal, self.window, pick(self.key_padding_mask), pick(self.doc_ids), self.sink_tokens,
                     pick(self.prefix_len), self.mask_mod, self.n_head, pick(self.batch_rows))
 
-    def blocks(self, T: int, S: int, block_q: int, block_k: int) -> BlockMap:
-        """The :class:`BlockMap` of T queries over S keys in tiles of ``block_q`` x ``block_k``."""
+    def blocks(self, T: int, S: int, block_q: int, block_k: int, q_start: int | None = None,
+               k_start: int = 0) -> BlockMap:
+        """The :class:`BlockMap` of T queries over S keys in tiles of ``block_q`` x ``block_k``;
+        the queries at positions ``q_start`` (default ``k_start + S - T``) onwards, the keys at
+        ``k_start`` onwards (see "A part of the pairs")."""
         device = next((t.device for t in (self.key_padding_mask, self.doc_ids, self.prefix_len, self.batch_rows)
                        if t is not None), None)
+        q_start = k_start + S - T if q_start is None else q_start
         nq, nk = -(-T // block_q), -(-S // block_k)
-        p_lo = S - T + torch.arange(nq, device=device) * block_q  # (nq,) each query tile's first position
-        p_hi = torch.clamp(p_lo + block_q, max=S) - 1  # (nq,) and its last
-        k_lo = torch.arange(nk, device=device) * block_k  # (nk,) each key tile's first key
-        k_hi = torch.clamp(k_lo + block_k, max=S) - 1  # (nk,) and its last
+        p_lo = q_start + torch.arange(nq, device=device) * block_q  # (nq,) each query tile's first position
+        p_hi = torch.clamp(p_lo + block_q, max=q_start + T) - 1  # (nq,) and its last
+        k_lo = k_start + torch.arange(nk, device=device) * block_k  # (nk,) each key tile's first key
+        k_hi = torch.clamp(k_lo + block_k, max=k_start + S) - 1  # (nk,) and its last
         hidden = torch.zeros(1, nq, nk, dtype=torch.bool, device=device)
         full = torch.ones(1, nq, nk, dtype=torch.bool, device=device)
         if self.causal or self.window is not None:  # visible: j <= max(p, P - 1) (P = 0 without a prefix)
@@ -168,19 +177,21 @@ class Mask:
             hidden = hidden | (old & ~((k_lo < n)[None, None, :] & (k_lo[None, None, :] <= p_hi[None, :, None])))
             recent = k_lo[None, None, :] > p_hi[None, :, None] - self.window  # every key recent for the last query
             full = full & (recent | (k_hi < n)[None, None, :] | (p_hi - self.window < n)[None, :, None])
+        keys, queries = slice(k_start, k_start + S), slice(q_start, q_start + T)
         if self.key_padding_mask is not None:
-            real = _per_tile(self.key_padding_mask.int(), block_k, "sum")  # (B, nk) real keys per key tile
+            real = _per_tile(self.key_padding_mask[:, keys].int(), block_k, "sum")  # (B, nk) real keys per key tile
             hidden = hidden | (real == 0)[:, None, :]
             full = full & (real == k_hi - k_lo + 1)[:, None, :]
         if self.doc_ids is not None:
-            docs = self.doc_ids
-            q_min, q_max = _per_tile(docs[:, S - T:], block_q, "amin"), _per_tile(docs[:, S - T:], block_q, "amax")
-            k_min, k_max = _per_tile(docs, block_k, "amin"), _per_tile(docs, block_k, "amax")  # (B, nq), (B, nk)
+            q_docs, k_docs = self.doc_ids[:, queries], self.doc_ids[:, keys]  # (B, T), (B, S)
+            q_min, q_max = _per_tile(q_docs, block_q, "amin"), _per_tile(q_docs, block_q, "amax")  # (B, nq)
+            k_min, k_max = _per_tile(k_docs, block_k, "amin"), _per_tile(k_docs, block_k, "amax")  # (B, nk)
             hidden = hidden | (q_max[:, :, None] < k_min[:, None, :]) | (q_min[:, :, None] > k_max[:, None, :])
             one_doc = (q_min == q_max)[:, :, None] & (k_min == k_max)[:, None, :]  # (B, nq, nk)
             full = full & one_doc & (q_min[:, :, None] == k_min[:, None, :])
         if self.mask_mod is not None:
-            mod_hidden, mod_full = _mask_mod_kinds(self, T, S, block_q, block_k, device)  # (B or 1, nq, nk)
+            mod_hidden, mod_full = _mask_mod_kinds(self, T, S, block_q, block_k, q_start, k_start,
+                                                   device)  # (B or 1, nq, nk)
             hidden, full = hidden | mod_hidden, full & mod_full
         kind = torch.where(hidden, HIDDEN, torch.where(full, FULL, PARTIAL)).to(torch.uint8)
         return BlockMap(kind, block_q, block_k)
@@ -211,11 +222,13 @@ class BlockMap:
         return BlockMap(self.kind.transpose(1, 2), self.block_k, self.block_q)
 
 
-def _mask_mod_kinds(mask: Mask, T: int, S: int, block_q: int, block_k: int, device) -> tuple[Tensor, Tensor]:
+def _mask_mod_kinds(mask: Mask, T: int, S: int, block_q: int, block_k: int, q_start: int, k_start: int,
+                    device) -> tuple[Tensor, Tensor]:
     """(hidden, full) ``(B or 1, nq, nk)`` of the mask_mod alone, over every head, found by calling
     it on every pair (as FlexAttention's ``create_block_mask`` does), a few query tiles at a time;
     cached per function and shape while the function lives."""
-    key = (id(mask.mask_mod), mask.n_head, tuple(mask.batch_rows.tolist()), T, S, block_q, block_k, str(device))
+    key = (id(mask.mask_mod), mask.n_head, tuple(mask.batch_rows.tolist()), T, S, block_q, block_k, q_start,
+           k_start, str(device))
     hit = _mod_maps.get(key)
     if hit is not None and hit[0]() is mask.mask_mod:
         return hit[1]
@@ -223,7 +236,8 @@ def _mask_mod_kinds(mask: Mask, T: int, S: int, block_q: int, block_k: int, devi
     rows = max(1, MOD_CHUNK // max(1, S * mask.n_head * len(mask.batch_rows)) // block_q) * block_q
     hidden, full = [], []
     for i0 in range(0, T, rows):
-        ok = only_mod.tile(S - T + i0, S - T + min(i0 + rows, T), 0, S, device)  # (B or 1, H or 1, rows, S)
+        ok = only_mod.tile(q_start + i0, q_start + min(i0 + rows, T), k_start, k_start + S,
+                           device)  # (B or 1, H or 1, rows, S)
         any_h, all_h = ok.any(1).int(), ok.all(1).int()  # (B or 1, rows, S): visible to some head, to every head
         hidden.append(_per_block(any_h, block_q, block_k, "amax") == 0)  # (B or 1, rows / block_q, nk)
         full.append(_per_block(all_h, block_q, block_k, "amin") == 1)

@@ -59,6 +59,33 @@ def test_block_map_agrees_with_the_dense_mask(rule):
             assert torch.equal(kind, truth), where
 
 
+@pytest.mark.parametrize("rule", RULES)
+def test_block_map_of_a_part_of_the_sequence_agrees_with_the_predicate_there(rule):
+    """q_start, k_start (ring attention's blocks): the map of T queries at q_start over S keys at
+    k_start is the dense mask's at those positions, whatever their order."""
+    rng = random.Random(100 + RULES.index(rule))
+    for _ in range(60):
+        B, L = rng.randint(1, 3), rng.randint(2, 48)
+        q_start, k_start = rng.randrange(L), rng.randrange(L)
+        T, S = rng.randint(1, L - q_start), rng.randint(1, L - k_start)
+        bq, bk = rng.randint(1, 9), rng.randint(1, 9)
+        lay = _random_layout(rng, B, L)
+        mask = {"causal": Mask(), "window": Mask(window=lay["window"] or 5),
+                "padding": Mask(causal=False, key_padding_mask=lay["pad"]),
+                "padding+causal": Mask(key_padding_mask=lay["pad"]), "docs": Mask(causal=False, doc_ids=lay["docs"]),
+                "docs+causal": Mask(doc_ids=lay["docs"]),
+                "all": Mask(window=lay["window"], key_padding_mask=lay["pad"], doc_ids=lay["docs"])}[rule]
+        kind = mask.blocks(T, S, bq, bk, q_start, k_start).kind
+        dense = mask.tile(q_start, q_start + T, k_start, k_start + S)[:, 0].expand(B, T, S)
+        truth = _dense_kinds(dense, bq, bk)
+        kind = kind.expand_as(truth)
+        where = (q_start, T, k_start, S, bq, bk, rule)
+        assert not (truth[kind == HIDDEN] != HIDDEN).any(), where
+        assert not (truth[kind == FULL] != FULL).any(), where
+        if rule in ("causal", "window", "padding", "docs"):
+            assert torch.equal(kind, truth), where
+
+
 def test_block_map_is_exact_on_a_hand_made_layout():
     pad = torch.tensor([[False, False, True, True, True, True, True, True]])
     assert Mask(key_padding_mask=pad).blocks(8, 8, 2, 2).kind.tolist() == [[  # causal and padding

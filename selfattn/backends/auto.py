@@ -79,6 +79,7 @@ def candidates(q: Tensor | None, k: Tensor | None, v: Tensor | None, mask: Mask 
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     if q.device.type == "cuda":
         return ["flex"] * _compile + ["triton", "tiled", "sdpa"]
-    flex_wins = mask.per_batch or (mask.window is not None and mask.window <= FLEX_WINDOW)  # docs, padding, short windows
+    short_window = mask.window is not None and mask.window <= FLEX_WINDOW
+    flex_wins = mask.per_batch or short_window  # documents, padding, short windows
     flex_serves = not grad and dropout_p == 0.0 and _compile
     return ["flex"] * (flex_wins and flex_serves) + ["tiled", "sdpa"]

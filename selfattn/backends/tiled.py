@@ -89,10 +89,12 @@ class Group(NamedTuple):
     tiles: list[Tile]
 
 
-def plan(mask: Mask, T: int, S: int, block_q: int = BLOCK_Q, block_k: int = BLOCK_K) -> list[Group]:
+def plan(mask: Mask, T: int, S: int, block_q: int = BLOCK_Q, block_k: int = BLOCK_K, q_start: int | None = None,
+         k_start: int = 0) -> list[Group]:
     """The tiles the kernel computes: the block map's PARTIAL and FULL tiles, for each group of
-    batch rows with the same map (one group of all rows when the mask is the same for each)."""
-    kind = mask.blocks(T, S, block_q, block_k).kind  # (B or 1, nq, nk)
+    batch rows with the same map (one group of all rows when the mask is the same for each).
+    ``q_start``, ``k_start``: where the queries and keys sit in the sequence (:meth:`Mask.blocks`)."""
+    kind = mask.blocks(T, S, block_q, block_k, q_start, k_start).kind  # (B or 1, nq, nk)
     if kind.shape[0] == 1:
         return [Group(None, _tiles(kind[0], T, S, block_q, block_k))]
     maps, which = torch.unique(kind.flatten(1), dim=0, return_inverse=True)  # rows with one map share it
@@ -133,60 +135,130 @@ def run(q: Tensor, k: Tensor, v: Tensor, mask: Mask, *, scale: float, dropout_p:
                                  block_k)
 
 
+def forward_with_lse(q: Tensor, k: Tensor, v: Tensor, mask: Mask, *, scale: float, q_start: int | None = None,
+                     k_start: int = 0) -> tuple[Tensor, Tensor]:
+    """Attention of q ``(B, H, T, D)`` over k, v ``(B, Hkv, S, D)`` and its log-sum-exp, for
+    merging with the attention of the same queries over other keys (ring attention).
+
+    ``q_start``, ``k_start``: where the queries and keys sit in the sequence the mask speaks of
+    (:meth:`Mask.blocks`). Returns out ``(B, H, T, D)`` (float32 for half inputs) and lse
+    ``(B, H, T, 1)``, the natural log of each row's softmax denominator, -inf for a row that sees
+    no key here (its out is 0). Outside autograd; :func:`backward_from_lse` is its backward.
+    """
+    B, H, T, _ = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    qs, kw, vw = _prepare(q, k, v, scale)
+    block_q, block_k = tile_sizes(mask)
+    groups = plan(mask, T, S, block_q, block_k, q_start, k_start)
+    out, lse = _attend(qs, kw, vw, mask, Scores(), groups, B, H, _starts(T, S, q_start, k_start), 0.0, 0)
+    lse = _ungroup(lse, B, H, Hkv)  # (B, H, T, 1)
+    return _ungroup(out, B, H, Hkv), torch.where(lse.isinf(), float("-inf"), lse * LN2)
+
+
+def backward_from_lse(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, grad_out: Tensor, mask: Mask, *,
+                      scale: float, q_start: int | None = None, k_start: int = 0) -> tuple[Tensor, Tensor, Tensor]:
+    """The gradients (dq, dk, dv) through q's attention over these keys, where ``out`` and ``lse``
+    ``(B, H, T, 1)`` are of the whole attention (every key block merged, :func:`forward_with_lse`'s
+    units) and ``grad_out`` is dL/d(out): FlashAttention-2's backward, one key block at a time.
+    dq is this block's share; dk, dv are complete for these keys as far as these queries go."""
+    B, H, T, D = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    qs, kw, vw = _prepare(q, k, v, scale)
+    block_q, block_k = tile_sizes(mask)
+    groups = plan(mask, T, S, block_q, block_k, q_start, k_start)
+    lse2 = _group(torch.where(lse.isinf(), float("inf"), lse * LOG2E).to(qs.dtype), Hkv)  # (B·Hkv, T·G, 1)
+    dq, dk, dv, _ = _attend_backward(qs, kw, vw, out, lse2, grad_out, mask, Scores(), groups, scale,
+                                     _starts(T, S, q_start, k_start), 0.0, 0)
+    return dq, dk, dv
+
+
 class _TiledAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, sinks, mask, scores, scale, dropout_p, seed, block_q, block_k):
         B, H, T, D = q.shape
-        Hkv, S = k.shape[1], k.shape[2]
-        work = torch.float32 if half(q.dtype) else q.dtype
-        qs = _group(q.to(work) * (scale * LOG2E), Hkv)  # (B·Hkv, T·G, D), scores come out in log2 units
-        kw = k.to(work).reshape(B * Hkv, S, D)  # (B·Hkv, S, D)
-        vw = v.to(work).reshape(B * Hkv, S, D)  # (B·Hkv, S, D)
+        S = k.shape[2]
+        qs, kw, vw = _prepare(q, k, v, scale)
         groups = plan(mask, T, S, block_q, block_k)
-        out, lse = torch.empty_like(qs), qs.new_empty(B * Hkv, qs.shape[1], 1)
-        for group in groups:
-            part = _Part(group, mask, scores, B, Hkv, H // Hkv, S - T, dropout_p, seed)
-            o, l = _forward(part.take(qs), part.take(kw), part.take(vw), part)
-            part.put(out, o)
-            part.put(lse, l)
-        out = _ungroup(out, B, H, Hkv).to(q.dtype)  # (B, H, T, D)
+        out, lse = _attend(qs, kw, vw, mask, scores, groups, B, H, _starts(T, S), dropout_p, seed)
+        out = _ungroup(out, B, H, k.shape[1]).to(q.dtype)  # (B, H, T, D)
         ctx.save_for_backward(qs, kw, vw, out, lse)
-        ctx.setup = (mask, scores, groups, scale, dropout_p, seed, Hkv, S - T)
+        ctx.setup = (mask, scores, groups, scale, dropout_p, seed)
         return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out):
         qs, kw, vw, out, lse = ctx.saved_tensors
-        mask, scores, groups, scale, dropout_p, seed, Hkv, offset = ctx.setup
-        B, H, T, D = out.shape
-        S = kw.shape[1]
-        grad_out = grad_out.to(qs.dtype)
-        do = _group(grad_out, Hkv)  # (B·Hkv, T·G, D)
-        neg_d = _group((grad_out * out.to(qs.dtype)).sum(dim=3, keepdim=True).neg_(), Hkv)  # -D, (B·Hkv, T·G, 1)
-        dq, dk, dv = torch.empty_like(qs), torch.empty_like(kw), torch.empty_like(vw)
-        for group in groups:
-            part = _Part(group, mask, scores, B, Hkv, H // Hkv, offset, dropout_p, seed)
-            grads = _backward(*(part.take(t) for t in (qs, kw, vw, lse, do, neg_d)), part)
-            for full, g in zip((dq, dk, dv), grads):
-                part.put(full, g)
+        mask, scores, groups, scale, dropout_p, seed = ctx.setup
+        T, S = out.shape[2], kw.shape[1]
+        dq, dk, dv, neg_d = _attend_backward(qs, kw, vw, out, lse, grad_out, mask, scores, groups, scale,
+                                             _starts(T, S), dropout_p, seed)
         dsinks = None
         if scores.sinks is not None and ctx.needs_input_grad[3]:  # d sink_h = -sum of p_sink · D over h's rows
+            B, H = out.shape[:2]
+            Hkv = kw.shape[0] // B
             p_sink = (_sink_logits(scores.sinks, B, Hkv, T, qs.dtype) - lse).exp2_()  # (B·Hkv, T·G, 1)
             dsinks = (p_sink * neg_d).view(B, Hkv, T, H // Hkv).sum(dim=(0, 2)).reshape(H).to(scores.sinks.dtype)
-        dq = _ungroup(dq.mul_(scale), B, H, Hkv).to(out.dtype)  # (B, H, T, D)
-        dk = dk.div_(LOG2E).view(B, Hkv, S, D).to(out.dtype)  # (B, Hkv, S, D); qs carried scale·log2(e)
-        dv = dv.view(B, Hkv, S, D).to(out.dtype)  # (B, Hkv, S, D)
         return dq, dk, dv, dsinks, None, None, None, None, None, None, None
+
+
+def _prepare(q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    """q, k, v as the kernels read them: q grouped (:func:`_group`) and pre-multiplied by
+    ``scale·log2(e)``, so scores come out in log2 units; k, v ``(B·Hkv, S, D)``; half inputs in float32."""
+    B, Hkv, S, D = k.shape
+    work = torch.float32 if half(q.dtype) else q.dtype
+    qs = _group(q.to(work) * (scale * LOG2E), Hkv)  # (B·Hkv, T·G, D)
+    return qs, k.to(work).reshape(B * Hkv, S, D), v.to(work).reshape(B * Hkv, S, D)  # (B·Hkv, S, D) x2
+
+
+def _starts(T: int, S: int, q_start: int | None = None, k_start: int = 0) -> tuple[int, int]:
+    """(q_start, k_start) with :meth:`Mask.blocks`'s default: the queries are the last T of the S keys."""
+    return (k_start + S - T if q_start is None else q_start), k_start
+
+
+def _attend(qs: Tensor, kw: Tensor, vw: Tensor, mask: Mask, scores: Scores, groups: list[Group], B: int, H: int,
+            starts: tuple[int, int], dropout_p: float, seed: int) -> tuple[Tensor, Tensor]:
+    """The forward over every group of rows: out ``(B·Hkv, T·G, D)`` and its log2-sum-exp2 ``(B·Hkv, T·G, 1)``."""
+    Hkv = kw.shape[0] // B
+    out, lse = torch.empty_like(qs), qs.new_empty(B * Hkv, qs.shape[1], 1)
+    for group in groups:
+        part = _Part(group, mask, scores, B, Hkv, H // Hkv, starts, dropout_p, seed)
+        o, l = _forward(part.take(qs), part.take(kw), part.take(vw), part)
+        part.put(out, o)
+        part.put(lse, l)
+    return out, lse
+
+
+def _attend_backward(qs: Tensor, kw: Tensor, vw: Tensor, out: Tensor, lse: Tensor, grad_out: Tensor, mask: Mask,
+                     scores: Scores, groups: list[Group], scale: float, starts: tuple[int, int], dropout_p: float,
+                     seed: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """dq ``(B, H, T, D)``, dk, dv ``(B, Hkv, S, D)`` (in ``out``'s dtype) and -D ``(B·Hkv, T·G, 1)``,
+    from the log2-unit ``lse`` of the whole attention."""
+    B, H, T, D = out.shape
+    Hkv, S = kw.shape[0] // B, kw.shape[1]
+    grad_out = grad_out.to(qs.dtype)
+    do = _group(grad_out, Hkv)  # (B·Hkv, T·G, D)
+    neg_d = _group((grad_out * out.to(qs.dtype)).sum(dim=3, keepdim=True).neg_(), Hkv)  # -D, (B·Hkv, T·G, 1)
+    dq, dk, dv = torch.empty_like(qs), torch.empty_like(kw), torch.empty_like(vw)
+    for group in groups:
+        part = _Part(group, mask, scores, B, Hkv, H // Hkv, starts, dropout_p, seed)
+        grads = _backward(*(part.take(t) for t in (qs, kw, vw, lse, do, neg_d)), part)
+        for full, g in zip((dq, dk, dv), grads):
+            part.put(full, g)
+    dq = _ungroup(dq.mul_(scale), B, H, Hkv).to(out.dtype)  # (B, H, T, D)
+    dk = dk.div_(LOG2E).view(B, Hkv, S, D).to(out.dtype)  # (B, Hkv, S, D); qs carried scale·log2(e)
+    dv = dv.view(B, Hkv, S, D).to(out.dtype)  # (B, Hkv, S, D)
+    return dq, dk, dv, neg_d
 
 
 class _Part:
     """One group of batch rows as the kernels see it: its slice of every (B·Hkv, ...) tensor,
     its mask, its tiles and its dropout streams."""
 
-    def __init__(self, group: Group, mask: Mask, scores: Scores, B: int, Hkv: int, G: int, offset: int,
+    def __init__(self, group: Group, mask: Mask, scores: Scores, B: int, Hkv: int, G: int, starts: tuple[int, int],
                  dropout_p: float, seed: int):
-        self.tiles, self.offset, self.dropout_p, self.seed = group.tiles, offset, dropout_p, seed
+        self.tiles, self.dropout_p, self.seed = group.tiles, dropout_p, seed
+        self.q_start, self.k_start = starts  # the positions of query row 0 and key column 0
         self.batch = group.rows  # None: every batch row
         self.mask = mask if group.rows is None else mask.rows(group.rows)
         self.scores = scores
@@ -203,8 +275,9 @@ class _Part:
         Bq, Bk = t.i1 - t.i0, t.k1 - t.k0
         if scores.score_mod is None:
             if scores.alibi_slopes is not None:
-                p = torch.arange(self.offset + t.i0, self.offset + t.i1, device=s.device)
-                dist = (p[:, None] - torch.arange(t.k0, t.k1, device=s.device)[None, :]).to(s.dtype)  # (Bq, Bk)
+                p = torch.arange(self.q_start + t.i0, self.q_start + t.i1, device=s.device)
+                j = torch.arange(self.k_start + t.k0, self.k_start + t.k1, device=s.device)
+                dist = (p[:, None] - j[None, :]).to(s.dtype)  # (Bq, Bk)
                 slopes = scores.alibi_slopes.to(s.dtype).view(1, Hkv, 1, G, 1) * -LOG2E  # -slope, log2 units
                 s.view(nb, Hkv, Bq, G, Bk).add_(slopes * dist[None, None, :, None, :])
             if scores.softcap is not None:
@@ -214,8 +287,8 @@ class _Part:
         d = s.device
         b = self.batch_rows.to(d)[:, None, None, None, None]  # (nb, 1, 1, 1, 1)
         h = (torch.arange(Hkv, device=d)[:, None] * G + torch.arange(G, device=d))[None, :, None, :, None]  # heads
-        p = torch.arange(self.offset + t.i0, self.offset + t.i1, device=d)[None, None, :, None, None]  # (1,1,Bq,1,1)
-        j = torch.arange(t.k0, t.k1, device=d)[None, None, None, None, :]  # (1, 1, 1, 1, Bk)
+        p = torch.arange(self.q_start + t.i0, self.q_start + t.i1, device=d)[None, None, :, None, None]  # (1,1,Bq,1,1)
+        j = torch.arange(self.k_start + t.k0, self.k_start + t.k1, device=d)[None, None, None, None, :]  # (1,1,1,1,Bk)
         return (scores.apply(grid, b, h, p, j) * LOG2E).view_as(s)
 
     def take(self, t: Tensor) -> Tensor:
@@ -332,7 +405,8 @@ def _backward(qs: Tensor, k: Tensor, v: Tensor, lse: Tensor, do: Tensor, neg_d: 
 
 def _hide(s: Tensor, t: Tile, part: _Part) -> None:
     """Set the hidden entries of the score tile ``s`` (nb·Hkv, Bq·G, Bk) to -inf, in place."""
-    allowed = part.mask.tile(part.offset + t.i0, part.offset + t.i1, t.k0, t.k1, s.device)  # (nb|1, H|1, Bq, Bk)
+    q0, k0 = part.q_start + t.i0, part.k_start + t.k0
+    allowed = part.mask.tile(q0, q0 + t.i1 - t.i0, k0, k0 + t.k1 - t.k0, s.device)  # (nb|1, H|1, Bq, Bk)
     nb, Hkv, G = part.heads
     Bq, Bk = t.i1 - t.i0, t.k1 - t.k0
     grid = s.view(nb, Hkv, Bq, G, Bk)  # (nb, Hkv, Bq, G, Bk)

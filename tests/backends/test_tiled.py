@@ -42,6 +42,38 @@ def test_custom_backward_matches_math_float64(T, S, heads, mask_kind, block_q, b
     assert_close_all(_tiled_grads(q, k, v, grad, _mask(kwargs), block_q=block_q, block_k=block_k), want, **F64)
 
 
+@pytest.mark.parametrize("mask_kind", MASK_KINDS)
+@pytest.mark.parametrize("heads", ["MHA", "GQA"])
+def test_attention_over_key_blocks_merged_by_lse_equals_attention_over_all_keys(heads, mask_kind):
+    """forward_with_lse / backward_from_lse, ring attention's kernel: the queries of [20, 37)
+    over three key blocks at their own positions, merged by log-sum-exp, and the gradients from
+    the merged lse, equal math on the whole sequence (float64)."""
+    T = 37
+    (q, k, v, grad), kwargs = make_case(*HEADS[heads], T, T, 8, mask_kind)
+    mask, scale, rows = _mask(kwargs), 8 ** -0.5, slice(20, T)
+    want = math.run(q, k, v, mask, scale=scale)
+    g = torch.zeros_like(grad)
+    g[:, :, rows] = grad[:, :, rows]  # only these queries' outputs matter
+    want = (want.detach()[:, :, rows], *torch.autograd.grad(want, (q, k, v), g))
+    qb, blocks = q.detach()[:, :, rows], [(0, 9), (9, 30), (30, T)]
+    out, lse = torch.zeros_like(qb), torch.full((*qb.shape[:3], 1), float("-inf"), dtype=q.dtype)
+    for a, b in blocks:  # merged in the order of no importance
+        o, l = tiled.forward_with_lse(qb, k.detach()[:, :, a:b], v.detach()[:, :, a:b], mask, scale=scale,
+                                      q_start=20, k_start=a)
+        new = torch.logaddexp(lse, l)
+        safe = torch.where(new.isinf(), 0.0, new)
+        out, lse = out * (lse - safe).exp() + o * (l - safe).exp(), new
+    dq, dk, dv = torch.zeros_like(qb), torch.zeros_like(k), torch.zeros_like(v)
+    for a, b in blocks:
+        dq_b, dk[:, :, a:b], dv[:, :, a:b] = tiled.backward_from_lse(
+            qb, k.detach()[:, :, a:b], v.detach()[:, :, a:b], out, lse, grad[:, :, rows], mask, scale=scale,
+            q_start=20, k_start=a)
+        dq += dq_b
+    full_dq = torch.zeros_like(q)
+    full_dq[:, :, rows] = dq
+    assert_close_all((out, full_dq, dk, dv), want, **F64)
+
+
 @pytest.mark.parametrize("wrong", [HIDDEN, FULL])
 def test_a_block_map_wrong_in_one_partial_tile_fails_the_parity_check(monkeypatch, wrong):
     """Negative control: the parity check catches one PARTIAL tile called HIDDEN or FULL."""
@@ -151,7 +183,7 @@ def _dense_keep(mask, B, H, Hkv, T, S, dropout_p, seed, block_q, block_k):
     G = H // Hkv
     keep = torch.zeros(B * Hkv, T * G, S, dtype=torch.float64)  # the kernel's layout
     for group in tiled.plan(mask, T, S, block_q, block_k):
-        part = tiled._Part(group, mask, Scores(), B, Hkv, G, S - T, dropout_p, seed)
+        part = tiled._Part(group, mask, Scores(), B, Hkv, G, (S - T, 0), dropout_p, seed)
         rows = torch.arange(B * Hkv) if part.index is None else part.index
         for t in group.tiles:
             like = torch.empty(len(rows), (t.i1 - t.i0) * G, t.k1 - t.k0, dtype=torch.float64)
@@ -175,7 +207,7 @@ def test_dropout_forward_and_backward_match_a_dense_reference(mask_kind):
     assert abs(dropped - p) < 0.03, dropped  # ~9000 visible entries
     kept = keep[visible][keep[visible] != 0]
     torch.testing.assert_close(kept, torch.full_like(kept, 1 / (1 - p)))  # kept weights are scaled by 1 / (1 - p)
-    part = tiled._Part(tiled.Group(None, []), Mask(), Scores(), 1, 2, 1, 0, p, seed)
+    part = tiled._Part(tiled.Group(None, []), Mask(), Scores(), 1, 2, 1, (0, 0), p, seed)
     first, second = (part.keep(tiled.Tile(0, 64, k0, k0 + 64, False), torch.empty(2, 64, 64)) for k0 in (0, 64))
     assert not torch.equal(first, second)  # each tile draws its own mask
 
