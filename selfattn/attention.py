@@ -13,6 +13,7 @@ projection) with the options real models use, each one keyword and off by defaul
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
@@ -22,6 +23,9 @@ from selfattn.kv_cache import KVCache, RollingKVCache
 from selfattn.masks import Mask
 from selfattn.rope import apply_rope, rope_angles
 from selfattn.scores import Scores, alibi_slopes
+
+if TYPE_CHECKING:  # the core never imports the distributed layer; a shard is handed in
+    from selfattn.distributed import SequenceShard
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = True, window: int | None = None,
@@ -125,8 +129,8 @@ class SelfAttention(nn.Module):
 
     def forward(self, x: Tensor, *, key_padding_mask: Tensor | None = None, doc_ids: Tensor | None = None,
                 prefix_len: int | Tensor | None = None, positions: Tensor | None = None,
-                cache: KVCache | RollingKVCache | None = None,
-                return_weights: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+                cache: KVCache | RollingKVCache | None = None, return_weights: bool = False,
+                shard: SequenceShard | None = None) -> Tensor | tuple[Tensor, Tensor]:
         """``x`` (B, T, C) -> (B, T, C); with ``return_weights`` also the weights (B, H, T, S).
 
         key_padding_mask, doc_ids: ``(B, S)`` over every key position (cached ones included).
@@ -134,6 +138,9 @@ class SelfAttention(nn.Module):
         positions: RoPE positions, ``(T,)`` or ``(B, T)``; default ``cache.length + arange(T)``.
         cache: a :class:`~selfattn.kv_cache.KVCache` (the queries attend over everything cached
             so far) or a :class:`~selfattn.kv_cache.RollingKVCache` (the window's keys only).
+        shard: x is this rank's part of sequences split across processes (a
+            :class:`~selfattn.distributed.SequenceShard`): RoPE takes the tokens' global
+            positions and attention is ring attention over the whole sequence.
         """
         C = self.n_head * self.head_dim
         _validate.embeddings("SelfAttention", x, C)
@@ -143,8 +150,12 @@ class SelfAttention(nn.Module):
         q = q.view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, H, T, D)
         k = k.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
         v = v.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
+        if shard is not None:
+            self._check_shard(cache, return_weights, prefix_len)
         if self.rope:
-            if positions is None:
+            if positions is None and shard is not None:
+                positions = shard.positions(x.device)  # (T,) global positions of this rank's tokens
+            elif positions is None:
                 past = cache.length if cache is not None else 0
                 positions = torch.arange(past, past + T, device=x.device)  # (T,)
             cos, sin = rope_angles(positions, self.head_dim, self.rope_base)  # (1 or B, 1, T, D/2)
@@ -155,17 +166,32 @@ class SelfAttention(nn.Module):
                 live = cache.positions()
                 key_padding_mask = None if key_padding_mask is None else key_padding_mask[:, live]
                 doc_ids = None if doc_ids is None else doc_ids[:, live]
-        out = attention(q, k, v, window=self.window, key_padding_mask=key_padding_mask, doc_ids=doc_ids,
-                        dropout_p=self.dropout if self.training else 0.0, backend=self.backend,
-                        return_weights=return_weights, sink_tokens=self.sink_tokens, prefix_len=prefix_len,
-                        alibi_slopes=alibi_slopes(self.n_head).to(x.device) if self.alibi else None,
-                        softcap=self.softcap, sinks=self.sinks, mask_mod=self.mask_mod, score_mod=self.score_mod)
+        if shard is not None:
+            out = shard.attention(q, k, v, window=self.window, key_padding_mask=key_padding_mask, doc_ids=doc_ids,
+                                  backend=self.backend)
+        else:
+            out = attention(q, k, v, window=self.window, key_padding_mask=key_padding_mask, doc_ids=doc_ids,
+                            dropout_p=self.dropout if self.training else 0.0, backend=self.backend,
+                            return_weights=return_weights, sink_tokens=self.sink_tokens, prefix_len=prefix_len,
+                            alibi_slopes=alibi_slopes(self.n_head).to(x.device) if self.alibi else None,
+                            softcap=self.softcap, sinks=self.sinks, mask_mod=self.mask_mod, score_mod=self.score_mod)
         y, weights = out if return_weights else (out, None)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, H, D) -> (B, T, C)
         y = self.proj(y)
         if self.training and self.dropout > 0.0:
             y = nn.functional.dropout(y, self.dropout)
         return (y, weights) if return_weights else y
+
+    def _check_shard(self, cache, return_weights: bool, prefix_len) -> None:
+        """What ring attention serves: causal attention with a window, padding and documents."""
+        refused = [name for name, on in (
+            ("cache", cache is not None), ("return_weights", return_weights), ("prefix_len", prefix_len is not None),
+            ("sink_tokens", self.sink_tokens is not None), ("alibi", self.alibi), ("softcap", self.softcap is not None),
+            ("sinks", self.sinks is not None), ("mask_mod", self.mask_mod is not None),
+            ("score_mod", self.score_mod is not None), ("dropout", self.training and self.dropout > 0.0)) if on]
+        if refused:
+            raise ValueError(f"ring attention (shard=) serves causal attention with a window, padding and documents; "
+                             f"not {', '.join(refused)}")
 
     def extra_repr(self) -> str:
         opts = [f"n_head={self.n_head}", f"head_dim={self.head_dim}"]

@@ -11,6 +11,11 @@ Padding. Batches of prompts of different lengths are left-padded and described b
 Positions count real tokens only (``cumsum(mask) - 1``, 0 on padding), padding keys are
 never attended to, so a padded row computes exactly what the prompt would alone.
 
+Context parallelism. ``forward(idx, targets, shard=shard)`` runs the model on one rank's part
+of sequences split across processes (a :class:`~selfattn.distributed.SequenceShard`): the
+tokens get their global positions and every attention layer is ring attention over the whole
+sequence; the loss is the mean over this rank's positions.
+
 Decoding. :meth:`GPT.new_cache` preallocates one :class:`~selfattn.kv_cache.KVCache` per
 layer (a :class:`~selfattn.kv_cache.RollingKVCache` of ``window`` slots for sliding-window
 models); a forward with ``cache=`` runs only the new tokens and appends their keys and values.
@@ -21,6 +26,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +36,9 @@ from selfattn import _validate, backends
 from selfattn.attention import SelfAttention
 from selfattn.kv_cache import KVCache, RollingKVCache
 from selfattn.sampling import check_sampling, next_token
+
+if TYPE_CHECKING:  # the core never imports the distributed layer; a shard is handed in
+    from selfattn.distributed import SequenceShard
 
 
 @dataclass
@@ -98,9 +107,10 @@ class Block(nn.Module):
             self.mlp = MLP(config)
 
     def forward(self, x: Tensor, *, key_padding_mask: Tensor | None = None, positions: Tensor | None = None,
-                cache: KVCache | None = None, prefix_len: int | Tensor | None = None) -> Tensor:
+                cache: KVCache | None = None, prefix_len: int | Tensor | None = None,
+                shard: SequenceShard | None = None) -> Tensor:
         x = x + self.attn(self.ln_1(x), key_padding_mask=key_padding_mask, positions=positions, cache=cache,
-                          prefix_len=prefix_len)
+                          prefix_len=prefix_len, shard=shard)
         if self.mlp is not None:
             x = x + self.mlp(self.ln_2(x))
         return x
@@ -186,8 +196,8 @@ class GPT(nn.Module):
                 for block in self.blocks]
 
     def forward(self, idx: Tensor, targets: Tensor | None = None, *, attention_mask: Tensor | None = None,
-                cache: Sequence[KVCache] | None = None,
-                prefix_len: int | Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+                cache: Sequence[KVCache] | None = None, prefix_len: int | Tensor | None = None,
+                shard: SequenceShard | None = None) -> tuple[Tensor, Tensor | None]:
         """Logits ``(B, T, V)`` for token ids ``idx`` ``(B, T)``, and the mean cross-entropy
         against ``targets`` ``(B, T)`` (positions with -100 ignored) when given, else None.
 
@@ -195,15 +205,19 @@ class GPT(nn.Module):
             included (S = cached + T); 0 marks padding. Pass it on every call of a sequence.
         cache: from :meth:`new_cache`; the T tokens continue the cached ones.
         prefix_len: prefix-LM, an int or ``(B,)``: the first P positions attend bidirectionally.
+        shard: idx (and targets) are this rank's part ``shard.split(...)`` of longer sequences
+            (see the module docstring); no attention_mask, cache or prefix_len with it.
         """
         self._check_idx(idx)
         B, T = idx.shape
-        past = self._check_cache(cache, B, T)
+        if shard is not None:
+            self._check_shard(shard, T, attention_mask=attention_mask, cache=cache, prefix_len=prefix_len)
+        past = self._check_cache(cache, B, T if shard is None else shard.length)
         mask = None if attention_mask is None else self._check_attention_mask(attention_mask, B, past + T, idx.device)
         if mask is not None and self.config.sink_tokens and not bool(mask.all()):
             raise ValueError("sink_tokens are the first positions of the sequence, and left padding would make them "
                              "padding: run padded prompts separately, or pad on the right")
-        logits = self.lm_head(self._hidden(idx, mask, cache, past, prefix_len))  # (B, T, V)
+        logits = self.lm_head(self._hidden(idx, mask, cache, past, prefix_len, shard))  # (B, T, V)
         if targets is None:
             return logits, None
         if not isinstance(targets, Tensor) or targets.shape != idx.shape or not _validate.is_integer(targets):
@@ -214,10 +228,12 @@ class GPT(nn.Module):
         return logits, loss
 
     def _hidden(self, idx: Tensor, mask: Tensor | None, cache: Sequence[KVCache] | None, past: int,
-                prefix_len: int | Tensor | None = None) -> Tensor:
+                prefix_len: int | Tensor | None = None, shard: SequenceShard | None = None) -> Tensor:
         """The final hidden states ``(B, T, C)`` after ``ln_f``; inputs already validated."""
         T = idx.shape[1]
-        if mask is None:
+        if shard is not None:
+            positions = shard.positions(idx.device)  # (T,) this rank's tokens' places in the whole sequence
+        elif mask is None:
             positions = torch.arange(past, past + T, device=idx.device)  # (T,)
         else:
             positions = (mask.cumsum(dim=-1)[:, -T:] - 1).clamp(min=0)  # (B, T) real tokens before, 0 on padding
@@ -228,7 +244,7 @@ class GPT(nn.Module):
         rope_positions = positions if self.wpe is None else None
         for i, block in enumerate(self.blocks):
             x = block(x, key_padding_mask=mask, positions=rope_positions, cache=None if cache is None else cache[i],
-                      prefix_len=prefix_len)
+                      prefix_len=prefix_len, shard=shard)
         return self.ln_f(x)
 
     def generate(self, idx: Tensor, max_new_tokens: int, *, temperature: float = 1.0, top_k: int | None = None,
@@ -308,6 +324,17 @@ class GPT(nn.Module):
         if bad.any():
             raise ValueError(f"token ids must be in [0, vocab_size={self.config.vocab_size}), got "
                              f"{idx[bad].unique()[:8].tolist()}")
+
+    @staticmethod
+    def _check_shard(shard, T: int, **alone) -> None:
+        if not hasattr(shard, "positions") or not hasattr(shard, "attention"):
+            raise TypeError(f"shard must be a selfattn.distributed.SequenceShard, got {type(shard).__name__}")
+        if T * shard.world != shard.length:
+            raise ValueError(f"idx holds {T} positions, but a shard of {shard.length} positions over {shard.world} "
+                             f"ranks holds {shard.length // shard.world}: pass shard.split(idx)")
+        given = [name for name, value in alone.items() if value is not None]
+        if given:
+            raise ValueError(f"{', '.join(given)} cannot be combined with shard= (context parallelism)")
 
     def _check_cache(self, cache, B: int, T: int) -> int:
         """Validate ``cache`` against a batch of B rows and T new tokens; return the cached length."""

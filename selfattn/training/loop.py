@@ -16,8 +16,10 @@ Distributed (:mod:`selfattn.training.parallel`): the same call under ``torchrun
 --nproc_per_node=N`` (multi-node through torchrun's own rendezvous flags) runs DDP over gloo on
 CPU or NCCL on GPUs; ``fsdp=True`` shards parameters, gradients and optimizer state with FSDP2
 ``fully_shard`` instead. Each rank reads its own slice of every batch; rank 0 alone reports and
-writes. Across machines the run folder must be on a disk every rank sees (checkpoints are
-written by rank 0 and read by all).
+writes. ``context_parallel=N`` splits each sequence over N ranks instead (ring attention,
+:mod:`selfattn.distributed`), with DDP over the rings: world = data-parallel x N. Across
+machines the run folder must be on a disk every rank sees (checkpoints are written by rank 0
+and read by all).
 """
 from __future__ import annotations
 
@@ -31,10 +33,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from selfattn import _files, _plot, _validate
 from selfattn._seeds import stream_seed
+from selfattn.distributed import SequenceShard
 from selfattn.model import GPT, GPTConfig
 from selfattn.training import checkpoint, data, lock, parallel
 
@@ -64,10 +67,15 @@ class TrainConfig:
     bf16: bool = False  # bfloat16 autocast for forward and backward; weights and AdamW state stay float32
     compile: bool = False  # torch.compile the model
     fsdp: bool = False  # under torchrun: shard the model with FSDP2 instead of replicating it with DDP
+    context_parallel: int = 1  # under torchrun: split each sequence over this many ranks (ring attention)
 
     def __post_init__(self):
         _validate.positive_ints(**{name: getattr(self, name) for name in (
-            "batch_size", "grad_accum", "max_steps", "eval_every", "eval_batches", "save_every", "keep", "bpe_vocab")})
+            "batch_size", "grad_accum", "max_steps", "eval_every", "eval_batches", "save_every", "keep", "bpe_vocab",
+            "context_parallel")})
+        if self.context_parallel > 1 and (self.fsdp or self.compile):
+            raise ValueError(f"context_parallel={self.context_parallel} runs with DDP, eagerly: not with "
+                             f"{'fsdp' if self.fsdp else 'compile'}")
         _validate.count("warmup_steps", self.warmup_steps)
         if self.tokenizer not in ("byte", "bpe"):
             raise ValueError(f"tokenizer must be 'byte' or 'bpe', got {self.tokenizer!r}")
@@ -192,10 +200,13 @@ def train(model_cfg: GPTConfig, cfg: TrainConfig, out: str | os.PathLike, *, res
 
 def _train(model_cfg: GPTConfig, cfg: TrainConfig, out: Path, resume_from: Path | None,
            on_event: OnEvent | None) -> TrainResult:
-    rank, world, device = parallel.setup(_validate.device(cfg.device), cfg.fsdp)
-    if cfg.batch_size % (world * cfg.grad_accum):
-        raise ValueError(f"batch_size={cfg.batch_size} must be a multiple of ranks * grad_accum = "
-                         f"{world} * {cfg.grad_accum}")
+    _check_context_parallel(model_cfg, cfg.context_parallel)
+    rank, world, device = parallel.setup(_validate.device(cfg.device), cfg.fsdp, cfg.context_parallel)
+    shard, dp_rank, dp_world = parallel.context_parallel(cfg.context_parallel, rank, world, model_cfg.block_size,
+                                                         model_cfg.window)
+    if cfg.batch_size % (dp_world * cfg.grad_accum):
+        raise ValueError(f"batch_size={cfg.batch_size} must be a multiple of data-parallel ranks * grad_accum = "
+                         f"{dp_world} * {cfg.grad_accum}")
     report = on_event if on_event is not None and rank == 0 else lambda kind, record: None
     if rank == 0:  # the folder is locked: every temporary in it is a killed writer's
         for folder in (out, out / "tokens"):
@@ -208,7 +219,7 @@ def _train(model_cfg: GPTConfig, cfg: TrainConfig, out: Path, resume_from: Path 
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank
     raw = GPT(model_cfg).to(device)
     run = _Run(parallel.wrap(raw, compile=cfg.compile, fsdp=cfg.fsdp, world=world, device=device),
-               corpus, cfg, model_cfg, rank, world, device)
+               corpus, cfg, model_cfg, rank, world, device, _Rows(shard, dp_rank, dp_world))
     start, records = 0, []
     if saved is not None:
         start = checkpoint.restore(resume_from, *saved, run.model, run.optimizer)["step"]
@@ -218,7 +229,8 @@ def _train(model_cfg: GPTConfig, cfg: TrainConfig, out: Path, resume_from: Path 
     if rank == 0:
         log.write_config(model_cfg, cfg, corpus.tokenizer)
     report("start", {"params": raw.num_params(), "data": corpus.description, "train_tokens": len(corpus.train),
-                     "val_tokens": len(corpus.val), "world": world, "device": str(device), "out": str(out),
+                     "val_tokens": len(corpus.val), "world": world, "context_parallel": cfg.context_parallel,
+                     "device": str(device), "out": str(out),
                      "start": start, "max_steps": cfg.max_steps})
     meta = {"model": dataclasses.asdict(model_cfg), "train": dataclasses.asdict(cfg),
             "tokenizer": corpus.tokenizer.spec(),
@@ -254,13 +266,36 @@ def _train(model_cfg: GPTConfig, cfg: TrainConfig, out: Path, resume_from: Path 
     return TrainResult(out, cfg.max_steps, cfg.max_steps - start, log.last("val_loss"), rate, checkpoint.latest(out))
 
 
+def _check_context_parallel(model_cfg: GPTConfig, n: int) -> None:
+    """Ring attention serves causal attention with a window; refuse the rest before any work."""
+    if n == 1:
+        return
+    refused = [f"{name}={getattr(model_cfg, name)!r}" for name, off in (
+        ("dropout", 0.0), ("alibi", False), ("softcap", None), ("sinks", False), ("sink_tokens", None))
+        if getattr(model_cfg, name) != off]
+    if refused:
+        raise ValueError(f"--context-parallel {n}: ring attention serves causal attention with a sliding window, not "
+                         f"{', '.join(refused)}")
+
+
+@dataclass
+class _Rows:
+    """Which rows of each batch a rank reads, and which part of their sequences."""
+    shard: SequenceShard | None  # the rank's part of every sequence (None: whole sequences)
+    part: int  # the data-parallel rank: ranks of one ring share rows
+    parts: int  # data-parallel ranks
+
+    def split(self, x: Tensor) -> Tensor:
+        return x if self.shard is None else self.shard.split(x)
+
+
 class _Run:
     """The model (wrapped), its optimizer and data, as one rank sees them: one step, one evaluation."""
 
     def __init__(self, model: nn.Module, corpus: data.Corpus, cfg: TrainConfig, model_cfg: GPTConfig,
-                 rank: int, world: int, device: torch.device):
+                 rank: int, world: int, device: torch.device, rows: _Rows):
         self.model, self.corpus, self.cfg, self.block = model, corpus, cfg, model_cfg.block_size
-        self.rank, self.world, self.device = rank, world, device
+        self.rank, self.world, self.device, self.rows = rank, world, device, rows
         self.optimizer = _optimizer(model, cfg)
         self.autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.bf16)
 
@@ -273,10 +308,12 @@ class _Run:
         torch.manual_seed(stream_seed(cfg.seed, "dropout", self.rank, step))
         loss_sum = torch.zeros((), device=self.device)
         for micro in range(cfg.grad_accum):
+            rows = self.rows
             x, y = data.batch(self.corpus.train, seed=cfg.seed, step=step, batch_size=cfg.batch_size,
-                              block_size=self.block, part=micro * world + self.rank, parts=world * cfg.grad_accum)
+                              block_size=self.block, part=micro * rows.parts + rows.part,
+                              parts=rows.parts * cfg.grad_accum)
             with parallel.grad_sync(self.model, micro == cfg.grad_accum - 1), self.autocast:
-                _, loss = self.model(x.to(self.device), y.to(self.device))
+                _, loss = self._forward(x, y)
             (loss / cfg.grad_accum).backward()
             loss_sum += loss.detach()
         loss = parallel.mean_over_ranks(loss_sum / cfg.grad_accum, world).item()
@@ -294,11 +331,17 @@ class _Run:
         total = torch.zeros((), device=self.device)
         for i in range(self.cfg.eval_batches):
             x, y = data.batch(self.corpus.val, seed=self.cfg.seed, step=i, batch_size=rows, block_size=self.block,
-                              part=self.rank, parts=self.world, tag="val")
+                              part=self.rows.part, parts=self.rows.parts, tag="val")
             with self.autocast:
-                total += self.model(x.to(self.device), y.to(self.device))[1].float()
+                total += self._forward(x, y)[1].float()
         self.model.train()
         return parallel.mean_over_ranks(total / self.cfg.eval_batches, self.world).item()
+
+    def _forward(self, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
+        """The model on this rank's part of rows x, targets y: every rank holds as many positions,
+        so the mean of the ranks' losses is the loss of the whole batch."""
+        x, y = self.rows.split(x).to(self.device), self.rows.split(y).to(self.device)
+        return self.model(x, y) if self.rows.shard is None else self.model(x, y, shard=self.rows.shard)
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:

@@ -2,7 +2,9 @@
 
 Under ``torchrun`` (``RANK``, ``LOCAL_RANK``, ... in the environment) the run joins a process
 group, over NCCL on GPUs or gloo on the CPU; the model is replicated with DDP or sharded with
-FSDP2 ``fully_shard``. Without torchrun everything here is the identity of one process.
+FSDP2 ``fully_shard``. With context parallelism over N ranks, ranks [d·N, (d+1)·N) read the
+same batch rows and split each sequence among them (:func:`context_parallel`); DDP still spans
+every rank. Without torchrun everything here is the identity of one process.
 """
 from __future__ import annotations
 
@@ -13,17 +15,23 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from selfattn.distributed import SequenceShard
+from selfattn.distributed.layout import multiple
+
 
 def rank() -> int:
     """This process's rank, 0 outside a process group (rank 0 alone prints and writes)."""
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
-def setup(device: torch.device, fsdp: bool) -> tuple[int, int, torch.device]:
+def setup(device: torch.device, fsdp: bool, context_parallel: int = 1) -> tuple[int, int, torch.device]:
     """(rank, world size, this rank's device); joins the process group torchrun describes."""
     if "RANK" not in os.environ:
         if fsdp:
             raise ValueError("--fsdp shards the model across processes: launch with torchrun --nproc_per_node=N")
+        if context_parallel > 1:
+            raise ValueError(f"--context-parallel {context_parallel} splits each sequence across processes: launch "
+                             f"with torchrun --nproc_per_node={context_parallel} (or a multiple of it)")
         return 0, 1, device
     local_rank = int(os.environ["LOCAL_RANK"])
     if device.type == "cuda":
@@ -32,6 +40,25 @@ def setup(device: torch.device, fsdp: bool) -> tuple[int, int, torch.device]:
     if not dist.is_initialized():
         dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
     return dist.get_rank(), dist.get_world_size(), device
+
+
+def context_parallel(n: int, rank: int, world: int, block_size: int,
+                     window: int | None) -> tuple[SequenceShard | None, int, int]:
+    """(this rank's :class:`SequenceShard`, its data-parallel rank, the data-parallel world size)
+    when each sequence is split over ``n`` ranks; (None, rank, world) for n = 1.
+
+    Ranks [d·n, (d+1)·n) form the ring of batch rows d. The layout is zigzag (balanced causal
+    work), or contiguous for a sliding window, whose ring then stops after one step."""
+    if n == 1:
+        return None, rank, world
+    if world % n:
+        raise ValueError(f"--context-parallel {n} needs a number of ranks that is a multiple of {n}, got {world}")
+    layout = "contiguous" if window is not None else "zigzag"
+    if block_size % multiple(layout, n):
+        raise ValueError(f"--context-parallel {n} splits block_size={block_size} into {multiple(layout, n)} equal "
+                         f"chunks ({layout} layout): use a block_size that is a multiple of {multiple(layout, n)}")
+    rings = [dist.new_group(list(range(d * n, (d + 1) * n))) for d in range(world // n)]  # every rank makes each
+    return SequenceShard(block_size, rings[rank // n], layout), rank // n, world // n
 
 
 def barrier() -> None:

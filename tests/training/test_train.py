@@ -110,8 +110,8 @@ def test_nonfinite_loss_stops_naming_the_step_and_keeps_the_checkpoint(runs, tmp
     assert checkpoint.load(last)["step"] == 6
 
 
-def _torchrun(*args):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "selfattn"]
+def _torchrun(*args, nproc=2):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m", "selfattn"]
     return subprocess.run(cmd + list(args), capture_output=True, text=True, timeout=300, env=ENV)
 
 
@@ -132,6 +132,37 @@ def test_two_cpu_processes_equal_one_with_the_same_global_batch(tmp_path, mode):
             assert (one[name] - start[name]).abs().max() > 1e-3, name
     losses = [[r["loss"] for r in _records(tmp_path / d) if "loss" in r] for d in (mode, "one")]
     assert losses[0] == pytest.approx(losses[1], rel=1e-5)
+
+
+@pytest.mark.parametrize("nproc, n, pos", [(2, 2, "learned"), (4, 2, "rope")], ids=["cp2", "dp2xcp2"])
+def test_context_parallel_training_equals_one_process_step_for_step(tmp_path, nproc, n, pos):
+    """Each sequence split over n ranks (ring attention), DDP over the rings: the same losses,
+    gradient norms and weights as one process with the same global batch."""
+    flags = MICRO + ["--max-steps", "3", "--save-every", "3", "--eval-every", "3", "--lr", "1e-2", "--pos", pos]
+    r = _torchrun("train", *flags, "--out", str(tmp_path / "cp"), "--context-parallel", str(n), nproc=nproc)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"{nproc} rank(s) ({nproc // n} x {n}: each sequence over {n})" in r.stdout
+    assert main(["train", *flags, "--out", str(tmp_path / "one")]) == 0
+    split, _ = checkpoint.read_weights(tmp_path / "cp" / "ckpt-0000003.safetensors")
+    one, _ = checkpoint.read_weights(tmp_path / "one" / "ckpt-0000003.safetensors")
+    for name in one:
+        torch.testing.assert_close(split[name], one[name], rtol=1e-5, atol=1e-6)
+    for key in ("loss", "grad_norm", "val_loss"):
+        runs = [[r[key] for r in _records(tmp_path / d) if key in r] for d in ("cp", "one")]
+        assert len(runs[0]) >= 2 and runs[0] == pytest.approx(runs[1], rel=1e-5), key
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--context-parallel", "2"], "--context-parallel 2 splits each sequence across processes: launch with torchrun"),
+    (["--context-parallel", "2", "--dropout", "0.1"], "ring attention serves causal attention with a sliding window, "
+                                                       "not dropout=0.1"),
+    (["--context-parallel", "2", "--fsdp"], "context_parallel=2 runs with DDP, eagerly: not with fsdp"),
+])
+def test_context_parallel_refusals_are_one_line(tmp_path, capsys, flags, message):
+    assert main(["train", *MICRO, "--max-steps", "1", "--out", str(tmp_path / "r"), *flags]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1, err
+    assert not (tmp_path / "r" / "log.jsonl").exists()
 
 
 def test_a_short_run_learns(tmp_path):
