@@ -15,6 +15,8 @@ settings, ``run(settings, device, log=...) -> result``, ``report(result) -> text
 - ``masks`` (:mod:`~selfattn.bench.masks`): windows, packed documents, padding and plain causal
   at T = 4096 and 16384, every backend and ``auto``'s choice against SDPA with a dense mask and
   compiled FlexAttention;
+- ``context-parallel`` (:mod:`~selfattn.bench.context_parallel`): ring attention over N local
+  processes against one: memory per rank, bytes sent against the formula, the layouts' balance;
 - ``triton`` (:mod:`~selfattn.bench.triton_gpu`, CUDA only): the Triton kernel's parity at
   real sizes and its TFLOP/s against SDPA's FlashAttention and cuDNN backends.
 
@@ -22,7 +24,8 @@ Every implementation is checked against the reference before it is timed
 (:class:`~selfattn.bench.common.CorrectnessError` otherwise). The implementations and peers
 live in :mod:`~selfattn.bench.impls` and :mod:`~selfattn.bench.peers`.
 """
-from selfattn.bench import attention, decode, masks, train, triton_gpu
+from selfattn.bench import attention, context_parallel, decode, masks, train, triton_gpu
 
-SUITES = {"attention": attention, "decode": decode, "train": train, "masks": masks, "triton": triton_gpu}
+SUITES = {"attention": attention, "decode": decode, "train": train, "masks": masks,
+          "context-parallel": context_parallel, "triton": triton_gpu}
 GPU_ONLY = ("triton",)  # left out of ``all`` where there is no CUDA device

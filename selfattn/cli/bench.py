@@ -1,11 +1,10 @@
 """Benchmarks against the peers, in one run: attention T sweep, decode tokens/s, train tokens/s.
 
-``selfattn bench attention|decode|train|triton|all [--out DIR] [--quick] [--device D]
-[--threads N]`` runs the suites of :mod:`selfattn.bench`. Each prints its tables and targets
-and writes ``DIR/<suite>.json`` and ``DIR/<suite>.png``; a failed correctness check stops the
-run with exit status 1. ``--quick`` runs small shapes in about a minute; the default run of
-the three CPU suites is sized for ~15 minutes on two CPU cores. ``all`` adds ``triton`` on a
-CUDA device.
+``selfattn bench attention|decode|train|masks|context-parallel|triton|all [--out DIR] [--quick]
+[--device D] [--threads N]`` runs the suites of :mod:`selfattn.bench`. Each prints its tables
+and targets and writes ``DIR/<suite>.json`` and ``DIR/<suite>.png``; a failed correctness check
+stops the run with exit status 1. ``--quick`` runs small shapes in about a minute. ``all`` runs
+every suite, adding ``triton`` on a CUDA device.
 """
 from __future__ import annotations
 
@@ -15,12 +14,13 @@ import os
 import sys
 
 from selfattn import _files, _validate
-from selfattn.bench import GPU_ONLY, SUITES, attention, common, decode, masks, train
+from selfattn.bench import GPU_ONLY, SUITES, attention, common, context_parallel, decode, masks, train
 
 HELP = {"attention": "attention layers: our backends vs the peers over a T sweep",
         "decode": "generation tokens/s: KV cache vs no cache vs transformers' generate",
         "train": "training-step tokens/s: our GPT vs a nanoGPT-equivalent model",
         "masks": "windows, documents, padding: every backend and auto's choice vs dense SDPA and FlexAttention",
+        "context-parallel": "ring attention over N local processes vs one: memory per rank, bytes sent, balance",
         "triton": "the Triton kernel on a CUDA GPU: parity at real sizes, TFLOP/s vs SDPA flash and cuDNN",
         "all": "every suite, one after the other (triton only on a CUDA device)"}
 
@@ -134,6 +134,16 @@ def _cell(text: str) -> tuple[str, int]:
     return name, int(T)
 
 
+def _context_parallel_flags(p: argparse.ArgumentParser) -> None:
+    full, quick = context_parallel.FULL, context_parallel.QUICK
+    p.add_argument("--nproc", dest="nprocs", type=int, nargs="+", default=None,
+                   help=f"processes in the ring, one run each (default {full.nprocs}, --quick {quick.nprocs})")
+    p.add_argument("--seq-len", dest="T", type=int, default=None,
+                   help=f"positions of the whole sequence (default {full.T}, --quick {quick.T})")
+    p.add_argument("--layouts", nargs="+", choices=("zigzag", "contiguous"), default=None,
+                   help="layouts (default: both)")
+
+
 def _triton_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--budget-s", type=float, default=None,
                    help="start no new benchmark after this many seconds (default 480)")
@@ -142,4 +152,4 @@ def _triton_flags(p: argparse.ArgumentParser) -> None:
 
 
 SUITE_FLAGS = {"attention": _attention_flags, "decode": _decode_flags, "train": _train_flags,
-               "masks": _masks_flags, "triton": _triton_flags}
+               "masks": _masks_flags, "context-parallel": _context_parallel_flags, "triton": _triton_flags}
