@@ -2,7 +2,8 @@
 
 1. Parity (the gate): forward and backward of the ``triton`` backend against the ``math``
    oracle at T up to 16384, D 64/80/128, bfloat16/float16/float32, causal, window, KV cache
-   (S > T), GQA/MQA, key padding and documents, by the FlashAttention rule
+   (S > T), GQA/MQA, key padding and documents, the built-in score rules (ALiBi, soft-capping,
+   learned sinks), sink tokens and prefix-LM, by the FlashAttention rule
    (:func:`selfattn.audit.parity.flash_rule`): ``max|triton - exact| <= 2 max|math_same_dtype
    - exact| + floor``, where ``exact`` is the math backend in float32 for half inputs (float64
    for float32 inputs), with IEEE float32 matmuls (no TF32). A failing case stops the suite.
@@ -26,6 +27,7 @@ import torch.nn.functional as F
 from selfattn import _plot
 from selfattn.audit.parity import flash_rule, forward_backward
 from selfattn.bench import common
+from selfattn.scores import alibi_slopes
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 FLOOR = {torch.bfloat16: 1e-4, torch.float16: 1e-5, torch.float32: 1e-6}
@@ -42,6 +44,9 @@ PARITY = (
     (2, 4, 4, 4096, 4096, 64, "bf16", {"padding": True, "docs": True}),  # rows that see nothing
     (1, 4, 2, 3000, 3000, 80, "bf16", {}),  # ragged T, head dim padded inside the kernel
     (1, 4, 4, 2048, 2048, 128, "fp32", {"window": 256}),
+    (2, 8, 2, 4096, 4096, 128, "bf16", {"alibi": True, "softcap": 30.0, "sinks": True}),  # the score rules
+    (2, 4, 4, 4096, 4096, 64, "fp16", {"prefix": True}),  # prefix-LM, a different prefix per row
+    (1, 4, 4, 8192, 8192, 64, "bf16", {"window": 1024, "sink_tokens": 4}),  # StreamingLLM's sink tokens
 )
 
 
@@ -84,9 +89,20 @@ def attention_flops(B: int, H: int, T: int, S: int, D: int, causal: bool, backwa
     return int(forward * 3.5) if backward else forward
 
 
-def masks_for(B: int, S: int, opts: dict, device) -> dict:
-    """attention() keywords for a parity case: causal, window, left padding, three documents."""
+def masks_for(B: int, H: int, S: int, opts: dict, device) -> dict:
+    """attention() keywords for a parity case: causal, window, left padding, three documents,
+    and the built-in rules (ALiBi's slopes, a soft cap, sink logits, sink tokens, prefixes)."""
     kw = {"causal": opts.get("causal", True), "window": opts.get("window")}
+    if opts.get("alibi"):
+        kw["alibi_slopes"] = alibi_slopes(H).to(device)
+    if opts.get("softcap"):
+        kw["softcap"] = opts["softcap"]
+    if opts.get("sinks"):
+        kw["sinks"] = torch.linspace(-2.0, 2.0, H, device=device)
+    if opts.get("sink_tokens"):
+        kw["sink_tokens"] = opts["sink_tokens"]
+    if opts.get("prefix"):
+        kw["prefix_len"] = torch.linspace(0, S, B, device=device).long()  # (B,): from none to all
     if opts.get("padding"):
         kpm = torch.ones(B, S, dtype=torch.bool, device=device)
         kpm[0, : S // 8] = False  # left padding: the first queries of batch 0 see nothing
@@ -140,7 +156,7 @@ def check_parity(case, device: torch.device) -> dict:
     g = torch.Generator(device=device).manual_seed(0)
     q, k, v, dout = (torch.randn(B, h, n, D, generator=g, device=device)
                      for h, n in ((H, T), (Hkv, S), (Hkv, S), (H, T)))  # (B, H|Hkv, T|S, D)
-    mask = masks_for(B, S, opts, device)
+    mask = masks_for(B, H, S, opts, device)
     exact_dtype = torch.float64 if dtype == torch.float32 else torch.float32
     started = time.perf_counter()
     got = forward_backward("triton", q, k, v, dout, dtype=dtype, **mask)

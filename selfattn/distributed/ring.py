@@ -2,9 +2,9 @@
 
 Each of the P ranks holds its shard of the queries, keys and values (:mod:`.layout`). The K/V
 shards travel around the ring, rank r sending to r+1 and receiving from r−1, so at step s rank
-r holds the keys of rank r−s. Each rank attends its queries to the block it holds with the tiled
-kernel (:func:`~selfattn.backends.tiled.forward_with_lse`), which also returns the block's
-log-sum-exp, and merges the partial results exactly:
+r holds the keys of rank r−s. Each rank attends its queries to the block it holds with a kernel
+that also returns the block's log-sum-exp (:func:`~selfattn.backends.tiled.forward_with_lse`, or
+the Triton kernel's on a GPU), and merges the partial results exactly:
 
     lse = log(e^lse_a + e^lse_b),   out = e^(lse_a − lse) · out_a + e^(lse_b − lse) · out_b
 
@@ -35,13 +35,13 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from selfattn import _validate
+from selfattn import _validate, backends
 from selfattn.backends import tiled
 from selfattn.backends._common import half
 from selfattn.distributed.layout import check_layout, chunks, gather
 from selfattn.masks import HIDDEN, Mask
 
-BACKENDS = ("auto", "tiled")  # those with a forward that returns the log-sum-exp and a backward from it
+BACKENDS = ("auto", "tiled", "triton")  # those with a forward that returns the log-sum-exp and a backward from it
 KV, DKV, HOME = 0, 1, 2  # message tags: the travelling K/V, their gradient accumulators, the last hop home
 
 
@@ -60,14 +60,16 @@ traffic = Traffic()
 
 def ring_attention(q: Tensor, k: Tensor, v: Tensor, *, group: dist.ProcessGroup | None = None, causal: bool = True,
                    window: int | None = None, key_padding_mask: Tensor | None = None, doc_ids: Tensor | None = None,
-                   scale: float | None = None, layout: str = "zigzag", backend: str = "tiled") -> Tensor:
+                   scale: float | None = None, layout: str = "zigzag", backend: str = "auto") -> Tensor:
     """Exact attention over a sequence split across the ranks of ``group`` (default: every rank).
 
     q ``(B, H, T/P, D)`` and k, v ``(B, Hkv, T/P, D)`` are this rank's shard of the sequence in
     ``layout`` (see :mod:`selfattn.distributed.layout`; :func:`shard_sequence` makes them), and
     so are ``key_padding_mask`` and ``doc_ids`` ``(B, T/P)`` if given. Returns this rank's shard
     ``(B, H, T/P, D)`` of the attention over the whole sequence, differentiable in q, k and v.
-    The mask rules are :func:`selfattn.attention`'s, on global positions.
+    The mask rules are :func:`selfattn.attention`'s, on global positions. ``backend``: the kernel
+    of each block, ``"tiled"`` (any device), ``"triton"`` (a GPU, or the CPU under Triton's
+    interpreter), or ``"auto"``: triton on a CUDA device where it can serve the request, else tiled.
     """
     if not dist.is_available() or not dist.is_initialized():
         raise ValueError("ring_attention needs a process group: call torch.distributed.init_process_group first")
@@ -102,6 +104,7 @@ class _Request:
     layout: str
     padding: bool
     documents: bool
+    backend: str  # the kernel of each block, resolved
 
     @staticmethod
     def check(q, k, v, causal, window, key_padding_mask, doc_ids, scale, layout, backend, world) -> _Request:
@@ -112,7 +115,8 @@ class _Request:
                              f"the same positions")
         if backend not in BACKENDS:
             raise ValueError(f"backend {backend!r} cannot serve a ring: merging the blocks needs each block's "
-                             f"log-sum-exp and a backward from the merged one, which backend 'tiled' has")
+                             f"log-sum-exp and a backward from the merged one, which backends 'tiled' and "
+                             f"'triton' have")
         check_layout(layout)
         if layout == "zigzag" and T % 2:
             raise ValueError(f"layout 'zigzag' holds two equal chunks per rank, so a shard needs an even length, got "
@@ -122,13 +126,28 @@ class _Request:
         for name, t, kind in (("key_padding_mask", key_padding_mask, bool), ("doc_ids", doc_ids, int)):
             _validate.per_key(name, t, B, T, kind, q.device)
         return _Request(B, H, k.shape[1], T, D, str(q.dtype), q.device.type, bool(causal), window, float(scale),
-                        layout, key_padding_mask is not None, doc_ids is not None)
+                        layout, key_padding_mask is not None, doc_ids is not None, _kernel_name(backend, q, k, v))
+
+
+def _kernel_name(backend: str, q: Tensor, k: Tensor, v: Tensor) -> str:
+    """The block kernel ``backend`` names for these shards: "tiled" or "triton" (which must serve them)."""
+    if backend == "tiled" or (backend == "auto" and q.device.type != "cuda"):
+        return "tiled"
+    why = backends.availability("triton", q.device)
+    if why is None:
+        why = backends.load("triton").unsupported(q, k, v, Mask(), 0.0)
+    if why is None:
+        return "triton"
+    if backend == "auto":
+        return "tiled"
+    raise ValueError(f"backend 'triton' cannot serve this ring: {why}")
 
 
 _DISAGREEMENT = {  # _Request field -> how a difference between ranks reads
     "positions": "shards of unequal length", "layout": "different layouts", "causal": "different causal flags",
     "window": "different windows", "scale": "different scales", "padding": "a key_padding_mask on some ranks only",
     "documents": "doc_ids on some ranks only", "dtype": "different dtypes", "device": "different devices",
+    "backend": "different block kernels",
 }
 
 
@@ -158,6 +177,7 @@ class _Plan:
     rank: int
     mask: Mask
     scale: float
+    kernel: object  # the block kernel's module: forward_with_lse, backward_from_lse (tiled's signature)
     steps: int  # ring steps after the first, local one: the largest rank distance any rank needs
     pairs: list[list[tuple[slice, int, slice, int]]]  # per step: (query rows, their start, key rows, their start)
 
@@ -179,7 +199,8 @@ def _plan(request: _Request, group, world: int, rank: int, key_padding_mask, doc
     sees = [[_pairs(mask, pieces[r], pieces[src]) for src in range(world)] for r in range(world)]
     steps = max(((r - src) % world for r in range(world) for src in range(world) if sees[r][src]), default=0)
     mine = [sees[rank][(rank - s) % world] for s in range(steps + 1)]
-    return _Plan(group, world, rank, mask, request.scale, steps, mine)
+    kernel = tiled if request.backend == "tiled" else backends.load("triton")
+    return _Plan(group, world, rank, mask, request.scale, kernel, steps, mine)
 
 
 def _pieces(layout: str, rank: int, world: int, length: int) -> list[tuple[slice, int]]:
@@ -228,8 +249,8 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, plan: _Plan) -> tuple[Tensor, Tens
     for s in range(plan.steps + 1):
         arriving = _shift(kv, plan, KV) if s < plan.steps else None  # the next block travels while this one computes
         for q_rows, q_start, k_rows, k_start in plan.pairs[s]:
-            o, l = tiled.forward_with_lse(q[:, :, q_rows], kv[0][:, :, k_rows], kv[1][:, :, k_rows], plan.mask,
-                                          scale=plan.scale, q_start=q_start, k_start=k_start)
+            o, l = plan.kernel.forward_with_lse(q[:, :, q_rows], kv[0][:, :, k_rows], kv[1][:, :, k_rows], plan.mask,
+                                                scale=plan.scale, q_start=q_start, k_start=k_start)
             _merge(out[:, :, q_rows], lse[:, :, q_rows], o, l)
         if arriving is not None:
             kv = arriving.wait()
@@ -255,7 +276,7 @@ def _backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, grad_ou
     for s in range(plan.steps + 1):
         arriving = _shift(kv, plan, KV) if s < plan.steps else None
         for q_rows, q_start, k_rows, k_start in plan.pairs[s]:
-            dq_b, dk_b, dv_b = tiled.backward_from_lse(
+            dq_b, dk_b, dv_b = plan.kernel.backward_from_lse(
                 q[:, :, q_rows], kv[0][:, :, k_rows], kv[1][:, :, k_rows], out[:, :, q_rows], lse[:, :, q_rows],
                 grad_out[:, :, q_rows], plan.mask, scale=plan.scale, q_start=q_start, k_start=k_start)
             dq[:, :, q_rows] += dq_b

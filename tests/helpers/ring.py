@@ -61,7 +61,8 @@ def _case(opts: dict, world: int, dtype: torch.dtype, seed: int):
     return q, k, v, grad, mask
 
 
-def _ring_vs_math(rank: int, world: int, opts: dict, layout: str, dtype: torch.dtype, seed: int) -> float:
+def _ring_vs_math(rank: int, world: int, opts: dict, layout: str, dtype: torch.dtype, seed: int,
+                  backend: str = "auto") -> float:
     """Max relative error, over out, dq, dk, dv, of ring attention against the math backend on
     the whole sequence (float64 reference), over every rank."""
     q, k, v, grad, mask = _case(opts, world, dtype, seed)
@@ -82,7 +83,7 @@ def _ring_vs_math(rank: int, world: int, opts: dict, layout: str, dtype: torch.d
         kw["key_padding_mask"] = part(torch.ones(q.shape[0], T, dtype=torch.bool), pad_value=False)
     if "doc_ids" in mask:
         kw["doc_ids"] = part(mask["doc_ids"], pad_value=-1)
-    got = ring_attention(*local, layout=layout, **kw)
+    got = ring_attention(*local, layout=layout, backend=backend, **kw)
     got.backward(part(grad))  # zero gradient on the padding: it is not part of the sequence
     got = [got.detach(), *(t.grad for t in local)]
     err = 0.0
@@ -92,11 +93,12 @@ def _ring_vs_math(rank: int, world: int, opts: dict, layout: str, dtype: torch.d
     return err
 
 
-def parity(rank: int, world: int) -> dict:
-    """{case/layout/dtype: max relative error} for every case, both layouts, float64 and float32."""
-    return {f"{name}/{layout}/{str(dtype)[6:]}": _ring_vs_math(rank, world, opts, layout, dtype, seed=i)
-            for i, (name, opts) in enumerate(CASES) for layout in ("zigzag", "contiguous")
-            for dtype in (torch.float64, torch.float32)}
+def parity(rank: int, world: int, backend: str = "auto", dtypes=(torch.float64, torch.float32), names=None) -> dict:
+    """{case/layout/dtype: max relative error} for every case (or those in ``names``), both
+    layouts, each dtype, with ``backend``'s block kernel."""
+    return {f"{name}/{layout}/{str(dtype)[6:]}": _ring_vs_math(rank, world, opts, layout, dtype, i, backend)
+            for i, (name, opts) in enumerate(CASES) if names is None or name in names
+            for layout in ("zigzag", "contiguous") for dtype in dtypes}
 
 
 def negative_controls(rank: int, world: int) -> dict:
