@@ -19,6 +19,10 @@ one torch thread each) and, for every N, layout and mask, measures per rank:
 
 On a CPU with fewer cores than N processes the times are not the point: memory, bytes and
 balance are. A gate first checks the ring against the math backend in float64 at a small T.
+
+With ``--device cuda`` and at least N GPUs, rank r runs on GPU r over NCCL with the block kernel
+``auto`` picks there (triton), and the peak memory is the CUDA allocator's; with fewer GPUs the
+suite says so and runs on the CPU.
 """
 from __future__ import annotations
 
@@ -72,8 +76,12 @@ QUICK = Settings(nprocs=(2,), T=512, H=2, masks=("causal", "window-64"), reps=1,
 
 def run(settings: Settings, device: torch.device, *, log=print) -> dict:
     settings.check()
-    if device.type != "cpu":
-        log(f"the ranks run on this machine's CPU over gloo, not on {device}: a GPU ring needs one GPU per rank")
+    comm = "gloo"
+    if device.type == "cuda" and torch.cuda.device_count() >= max(settings.nprocs):
+        comm = "nccl"
+    elif device.type != "cpu":
+        log(f"the ranks run on this machine's CPU over gloo, not on {device}: a GPU ring needs one GPU per rank "
+            f"({max(settings.nprocs)} for --nproc {max(settings.nprocs)})")
         device = torch.device("cpu")
     info = common.machine(device)
     log(common.describe(info))
@@ -81,7 +89,7 @@ def run(settings: Settings, device: torch.device, *, log=print) -> dict:
     for n in settings.nprocs:
         for name in settings.layouts:
             for m in settings.masks:
-                err = max(run_local(_gate, n, settings.gate_len, name, MASKS[m]))
+                err = max(run_local(_gate, n, settings.gate_len, name, MASKS[m], device.type, backend=comm))
                 if not err <= common.TOLERANCE[torch.float64]:
                     raise common.CorrectnessError(f"ring attention, {n} ranks, {name}, {m}, T={settings.gate_len}: "
                                                   f"relative error {err:.3g} against math in float64")
@@ -90,35 +98,39 @@ def run(settings: Settings, device: torch.device, *, log=print) -> dict:
         f"{max(g['max_rel_err'] for g in gate):.1e}) for every N, layout and mask")
     rows = []
     for m in settings.masks:
-        one = run_local(_measure, 1, settings, "contiguous", MASKS[m])[0]
+        one = run_local(_measure, 1, settings, "contiguous", MASKS[m], device.type, backend=comm)[0]
         rows.append({"nproc": 1, "layout": "-", "mask": m, **_summary([one], settings, 1, "contiguous", MASKS[m]),
                      "saved_fraction": 1.0})
-        log(f"{m:11s} one process (tiled backend): saved {rows[-1]['saved_bytes_max'] / 2**20:.1f} MiB, "
+        log(f"{m:11s} one process ({one['kernel']} backend): saved {rows[-1]['saved_bytes_max'] / 2**20:.1f} MiB, "
             f"{rows[-1]['time_s']:.2f} s")
         for n in settings.nprocs:
             for name in settings.layouts:
-                ranks = run_local(_measure, n, settings, name, MASKS[m], timeout_s=600.0)
+                ranks = run_local(_measure, n, settings, name, MASKS[m], device.type, timeout_s=600.0, backend=comm)
                 r = {"nproc": n, "layout": name, "mask": m, **_summary(ranks, settings, n, name, MASKS[m])}
                 r["saved_fraction"] = r["saved_bytes_max"] / one["saved_bytes"]
                 rows.append(r)
                 log(f"{m:11s} N={n} {name:10s}: saved {r['saved_fraction']:.3f} of one process per rank, sent "
                     f"{r['sent_bytes_max'] / 2**20:.1f} MiB (formula {r['formula_bytes'] / 2**20:.1f}), "
                     f"{r['steps']} steps, work balance {r['work_balance']:.2f}, {r['time_s']:.2f} s")
-    result = {"suite": "context-parallel", "machine": info, "settings": asdict(settings), "gate": gate,
-              "results": rows}
+    result = {"suite": "context-parallel", "machine": info, "communication": comm, "settings": asdict(settings),
+              "gate": gate, "results": rows}
     result["targets"] = targets(result)
     return result
 
 
-def _inputs(T: int, B: int, H: int, D: int, dtype: torch.dtype, window):
+def _inputs(T: int, B: int, H: int, D: int, dtype: torch.dtype, window, device: torch.device):
     g = torch.Generator().manual_seed(0)
-    q, k, v, grad = (torch.randn(B, H, T, D, generator=g, dtype=dtype) for _ in range(4))
+    q, k, v, grad = (torch.randn(B, H, T, D, generator=g, dtype=dtype).to(device) for _ in range(4))
     return q, k, v, grad, {"window": window}
 
 
-def _gate(rank: int, world: int, T: int, layout: str, window) -> float:
+def _rank_device(rank: int, device_type: str) -> torch.device:
+    return torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
+
+
+def _gate(rank: int, world: int, T: int, layout: str, window, device_type: str) -> float:
     """Max relative error of out, dq, dk, dv on this rank against math in float64."""
-    q, k, v, grad, kw = _inputs(T, 2, 2, 16, torch.float64, window)
+    q, k, v, grad, kw = _inputs(T, 2, 2, 16, torch.float64, window, _rank_device(rank, device_type))
     ref = [t.clone().requires_grad_(True) for t in (q, k, v)]
     out = attention(*ref, backend="math", **kw)
     out.backward(grad)
@@ -129,15 +141,17 @@ def _gate(rank: int, world: int, T: int, layout: str, window) -> float:
     return max(common.rel_error(a, layouts.split(e.detach(), 2, layout, rank, world)) for a, e in pairs)
 
 
-def _measure(rank: int, world: int, settings: Settings, layout: str, window) -> dict:
-    """One rank's numbers; on one process, the tiled backend on the whole sequence (the reference)."""
-    q, k, v, grad, kw = _inputs(settings.T, settings.B, settings.H, settings.D, torch.float32, window)
+def _measure(rank: int, world: int, settings: Settings, layout: str, window, device_type: str) -> dict:
+    """One rank's numbers; on one process, the ring's block kernel on the whole sequence (the reference)."""
+    device = _rank_device(rank, device_type)
+    q, k, v, grad, kw = _inputs(settings.T, settings.B, settings.H, settings.D, torch.float32, window, device)
+    kw["backend"] = ring._kernel_name("auto", q, k, v)
     local = [layouts.split(t, 2, layout, rank, world).clone().requires_grad_(True) for t in (q, k, v)]
     g_local = layouts.split(grad, 2, layout, rank, world).clone()
     del q, k, v, grad
     small = [t[:, :, :2 * world].detach().clone().requires_grad_(True) for t in local]
     call_on(small, world, layout, kw).sum().backward()  # one-time costs (thread pools, buffers) before the baseline
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    before = _peak_bytes(device, reset=True)
     saved: dict[int, int] = {}
 
     def pack(t: torch.Tensor):
@@ -152,20 +166,29 @@ def _measure(rank: int, world: int, settings: Settings, layout: str, window) -> 
         out = call()
     forward = ring.traffic.sent
     out.backward(g_local)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
+    peak = _peak_bytes(device) - before
     sent = ring.traffic.sent
     times = []
     for _ in range(settings.reps):
         torch.distributed.barrier()
-        seconds, _ = common.timed(lambda: call().backward(g_local), torch.device("cpu"))
+        seconds, _ = common.timed(lambda: call().backward(g_local), device)
         times.append(seconds)
     return {"saved_bytes": sum(saved.values()), "rss_added_bytes": peak, "sent_bytes": sent,
-            "forward_bytes": forward, "times_s": times}
+            "forward_bytes": forward, "times_s": times, "kernel": kw["backend"]}
+
+
+def _peak_bytes(device: torch.device, reset: bool = False) -> int:
+    """The process's peak resident memory (CPU), or the CUDA allocator's peak since the last reset."""
+    if device.type != "cuda":
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    if reset:
+        torch.cuda.reset_peak_memory_stats(device)
+    return torch.cuda.max_memory_allocated(device)
 
 
 def call_on(qkv: list[torch.Tensor], world: int, layout: str, kw: dict) -> torch.Tensor:
-    """Ring attention over the ranks; on one process, the tiled backend (the reference)."""
-    return attention(*qkv, backend="tiled", **kw) if world == 1 else ring_attention(*qkv, layout=layout, **kw)
+    """Ring attention over the ranks; on one process, the ring's block kernel alone (the reference)."""
+    return attention(*qkv, **kw) if world == 1 else ring_attention(*qkv, layout=layout, **kw)
 
 
 def _work(settings: Settings, world: int, layout: str, window) -> list[int]:
@@ -224,13 +247,15 @@ def targets(result: dict) -> list[dict]:
 
 def report(result: dict) -> str:
     s = result["settings"]
+    machine = result["machine"]
+    where = f"{machine['cores']} CPU cores" if machine["device"] == "cpu" else "one GPU per rank"
     body = [[r["mask"], str(r["nproc"]), r["layout"], str(r["steps"]), f"{r['saved_bytes_max'] / 2**20:.1f}",
              f"{r['saved_fraction']:.3f}", f"{r['rss_added_bytes_max'] / 2**20:.1f}",
              f"{r['sent_bytes_max'] / 2**20:.2f}", f"{r['formula_bytes'] / 2**20:.2f}", f"{r['work_balance']:.3f}",
              f"{r['time_s']:.2f}"] for r in result["results"]]
     return "\n".join([
         "", f"context-parallel: ring attention, float32 forward+backward, T={s['T']}, B={s['B']}, H={s['H']}, "
-            f"D={s['D']}, gloo on {result['machine']['cores']} cores; per rank (the largest over the ranks)",
+            f"D={s['D']}, {result['communication']} on {where}; per rank (the largest over the ranks)",
         common.table(["mask", "N", "layout", "steps", "saved MiB", "x one", "RSS+ MiB", "sent MiB", "formula MiB",
                       "work max/mean", "time s"], body),
         "", common.format_targets(result["targets"])])

@@ -267,12 +267,14 @@ def _rows(t: torch.Tensor, keep) -> torch.Tensor:
     return t.transpose(1, 2)[keep.to(t.device)]  # (rows, H, D)
 
 
-def _estimate_bytes(name: str, B: int, H: int, T: int, dtype) -> int:
-    """A generous peak-memory estimate, to skip what cannot fit: math keeps T x S scores in float32."""
+def _estimate_bytes(name: str, B: int, H: int, T: int, scores: Scores) -> int:
+    """A generous peak-memory estimate, to skip what cannot fit: math keeps T x S scores in float32;
+    SDPA takes a bool mask and makes a float one of it, or takes ALiBi as a (B, H, T, S) float bias
+    (built, masked, and its gradient)."""
     if name == "math":
         return 5 * B * H * T * T * 4
     if name in ("sdpa", "sdpa-dense"):
-        return B * T * T * 5  # the bool mask and the float mask SDPA makes of it
+        return 3 * B * H * T * T * 4 if scores.alibi_slopes is not None else B * T * T * 5
     return 0
 
 
@@ -294,8 +296,8 @@ def _cell(settings: Settings, device, dtype, mask_name: str, T: int, cap: int, c
             refusal = why.get(name) or _unsupported(name, q, k, v, mask, scores, mode)
             if refusal:
                 row.update(status="unavailable", reason=refusal)
-            elif _estimate_bytes(name, B, H, T, dtype) > cap:
-                row.update(status="does not fit", reason=f"~{_estimate_bytes(name, B, H, T, dtype) / GIB:.0f} GiB")
+            elif _estimate_bytes(name, B, H, T, scores) > cap:
+                row.update(status="does not fit", reason=f"~{_estimate_bytes(name, B, H, T, scores) / GIB:.0f} GiB")
             else:
                 live[name] = row
             rows.append(row)
