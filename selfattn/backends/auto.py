@@ -17,16 +17,20 @@ the README has the tables):
    with a dense mask computing them all), so above a density of ``DENSE`` = 0.8 the dense
    mask wins; below it, the backends that skip hidden tiles:
    - forward only (no gradient, no dropout), compiling allowed, and a mask where compiled
-     FlexAttention was faster than tiled: documents (1.1-1.3x at T = 4096 and 16384),
-     padding (1.2x) and windows of at most ``FLEX_WINDOW`` = 256 keys (1.14-1.22x; at
-     windows of 512, 1024 and 2048 tiled was 1.15-1.2x faster): ``flex``;
+     FlexAttention was faster than tiled: documents (1.1-1.3x at T = 4096 and 16384), a
+     ``mask_mod`` (flex compiles it; tiled calls it on every partial tile) and windows of at
+     most ``FLEX_WINDOW`` = 256 keys (1.14-1.22x; at windows of 512, 1024 and 2048 tiled was
+     1.15-1.2x faster): ``flex``. Left padding is tiled's since it skips padded tiles per
+     batch row: 50% padding forward, 93 ms against flex's 118 at T = 4096, 1316 against 1781
+     at 16384;
    - otherwise ``tiled`` (forward+backward: 6-21x faster than SDPA with a dense mask).
-5. Scores changed before the softmax (ALiBi, soft-capping, a ``score_mod``) or learned sinks
-   (not measured yet): ``flex`` for large requests it can serve (forward only on a CPU) when
-   compiling is allowed, else ``tiled`` (which serves every rule), ``sdpa`` only for what is a
-   dense additive bias, ``math`` last.
-6. On a CUDA device (not measured by this project yet): plain causal ``sdpa``; other masks
-   ``flex`` when compiling is allowed, else ``triton`` when it is installed, else ``tiled``.
+5. Scores changed before the softmax (ALiBi, soft-capping, a ``score_mod``) or learned sinks:
+   the same choice of mask as rule 4 (``flex`` forward on documents, a mask_mod or a short
+   window; causal ALiBi at T = 4096 took tiled 402 ms against flex's 522), else ``tiled``
+   (which serves every rule), ``sdpa`` only for what is a dense additive bias, ``math`` last.
+6. On a CUDA device (not measured by this project yet): plain causal ``sdpa``; other masks and
+   score rules ``flex`` when compiling is allowed, else ``triton`` when it is installed and
+   serves the request, else ``tiled``.
 
 Each candidate is asked (``unsupported``) before it is chosen; the next one serves when it
 refuses. Compiling backends (``flex``: about 5 s for every new shape on that CPU) can be kept
@@ -67,19 +71,24 @@ def candidates(q: Tensor | None, k: Tensor | None, v: Tensor | None, mask: Mask 
     if q is None or mask is None:
         return ["sdpa"]
     T, S = q.shape[2], k.shape[2]
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     if scores is not None and not scores.is_plain:  # ALiBi, soft-capping, sinks, a score_mod (rule 5)
-        grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-        flex_serves = (q.device.type == "cuda" or not grad) and dropout_p == 0.0 and _compile and T * S > SMALL
+        if q.device.type == "cuda":
+            return ["flex"] * (_compile and dropout_p == 0.0) + ["triton", "tiled", "sdpa", "math"]
+        flex_serves = not grad and dropout_p == 0.0 and _compile and T * S > SMALL and _flex_wins(mask)
         return ["flex"] * flex_serves + ["tiled", "sdpa", "math"]
     if mask.plain_causal or mask.is_full or (not mask.per_batch and mask.prefix_len is None
                                              and mask.window is not None and mask.window >= S):
         return ["sdpa"]  # a window >= S is plain causal
     if T * S <= SMALL or mask.blocks(T, S, *tiled.tile_sizes(mask)).density() > DENSE:
         return ["sdpa"]
-    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     if q.device.type == "cuda":
         return ["flex"] * _compile + ["triton", "tiled", "sdpa"]
-    short_window = mask.window is not None and mask.window <= FLEX_WINDOW
-    flex_wins = mask.per_batch or short_window  # documents, padding, short windows
     flex_serves = not grad and dropout_p == 0.0 and _compile
-    return ["flex"] * (flex_wins and flex_serves) + ["tiled", "sdpa"]
+    return ["flex"] * (flex_serves and _flex_wins(mask)) + ["tiled", "sdpa"]
+
+
+def _flex_wins(mask: Mask) -> bool:
+    """Masks whose forward compiled FlexAttention ran faster than tiled on the CPU (rule 4)."""
+    short_window = mask.window is not None and mask.window <= FLEX_WINDOW
+    return mask.doc_ids is not None or mask.mask_mod is not None or short_window

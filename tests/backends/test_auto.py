@@ -39,6 +39,24 @@ def test_the_rule():
     assert _choose(*_request(**window)) == flex  # forward with a short window
     assert _choose(*_request(window=auto.FLEX_WINDOW + 1)) == "tiled"  # a longer window
     assert _choose(*_request(prefix_len=torch.tensor([100]))) == "tiled"  # prefix-LM: no window at all
+    left = torch.arange(1024)[None] >= 512  # (1, S): half the keys are left padding
+    assert _choose(*_request(key_padding_mask=left)) == "tiled"  # tiled skips padded tiles: faster than flex
+    mask_mod = lambda b, h, q_idx, kv_idx: q_idx // 256 == kv_idx // 256  # noqa: E731
+    assert _choose(*_request(mask_mod=mask_mod, n_head=4, batch_rows=torch.arange(1))) == flex  # flex compiles it
+
+
+def test_the_rule_for_score_rules():
+    """ALiBi, soft-capping, sinks: the mask decides as without them; flex only forward, where it wins."""
+    from selfattn.scores import Scores
+
+    flex = "flex" if load("flex").available(torch.device("cpu")) is None else "tiled"
+    alibi = Scores(alibi_slopes=torch.ones(4))
+    docs = {"doc_ids": (torch.arange(1024) * 16 // 1024)[None]}
+    for mask, want in (({}, "tiled"), (docs, flex), ({"window": 64}, flex), ({"window": 512}, "tiled")):
+        q, k, v, m = _request(**mask)
+        assert resolve("auto", q=q, k=k, v=v, mask=m, scores=alibi) == want, mask
+    q, k, v, m = _request(grad=True, **docs)
+    assert resolve("auto", q=q, k=k, v=v, mask=m, scores=alibi) == "tiled"  # no CPU backward in flex
 
 
 @pytest.mark.parametrize("grad,dtype,dropout_p,weights,mask", list(itertools.product(
