@@ -444,8 +444,8 @@ def report(result: dict) -> str:
 
 def plot(result: dict, path: Path) -> Path:
     """Time per cell of each implementation, forward and forward+backward (log scale)."""
-    fig = _plot.figure(figsize=(14, 5))
-    axes = fig.subplots(1, 2)
+    fig = _plot.figure(figsize=(14, 10))
+    axes = fig.subplots(2, 1)
     rows = [r for r in result["results"] if r.get("status") == "ok" and r["dtype"] == "float32"]
     cells = sorted({(r["mask"], r["T"]) for r in rows}, key=lambda c: (MASKS.index(c[0]), c[1]))
     names = [n for n in result["settings"]["impls"] if any(r["impl"] == n for r in rows)]
@@ -455,9 +455,9 @@ def plot(result: dict, path: Path) -> Path:
             at = {(r["mask"], r["T"]): r["time_s"] * 1e3 for r in rows if r["impl"] == name and r["mode"] == mode}
             ax.bar([j + i * width for j in range(len(cells))], [at.get(c, pymath.nan) for c in cells], width,
                    label=name)
-        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(cells))], [f"{m}\nT={T}" for m, T in cells], fontsize=7)
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(cells))], [f"{m}\nT={T}" for m, T in cells], fontsize=8)
         ax.set(yscale="log", ylabel="ms (median)", title=f"float32 {mode}")
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=7, ncols=len(names))
     fig.suptitle(f"selfattn bench masks ({result['machine']['cpu']}, {result['machine']['device']})")
     fig.tight_layout()
     return _plot.save(fig, path, dpi=110)
