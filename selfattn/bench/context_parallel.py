@@ -145,7 +145,7 @@ def _measure(rank: int, world: int, settings: Settings, layout: str, window, dev
     """One rank's numbers; on one process, the ring's block kernel on the whole sequence (the reference)."""
     device = _rank_device(rank, device_type)
     q, k, v, grad, kw = _inputs(settings.T, settings.B, settings.H, settings.D, torch.float32, window, device)
-    kw["backend"] = ring._kernel_name("auto", q, k, v)
+    kw["backend"] = ring.block_kernel("auto", q, k, v)
     local = [layouts.split(t, 2, layout, rank, world).clone().requires_grad_(True) for t in (q, k, v)]
     g_local = layouts.split(grad, 2, layout, rank, world).clone()
     del q, k, v, grad

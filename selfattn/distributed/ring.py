@@ -126,10 +126,10 @@ class _Request:
         for name, t, kind in (("key_padding_mask", key_padding_mask, bool), ("doc_ids", doc_ids, int)):
             _validate.per_key(name, t, B, T, kind, q.device)
         return _Request(B, H, k.shape[1], T, D, str(q.dtype), q.device.type, bool(causal), window, float(scale),
-                        layout, key_padding_mask is not None, doc_ids is not None, _kernel_name(backend, q, k, v))
+                        layout, key_padding_mask is not None, doc_ids is not None, block_kernel(backend, q, k, v))
 
 
-def _kernel_name(backend: str, q: Tensor, k: Tensor, v: Tensor) -> str:
+def block_kernel(backend: str, q: Tensor, k: Tensor, v: Tensor) -> str:
     """The block kernel ``backend`` names for these shards: "tiled" or "triton" (which must serve them)."""
     if backend == "tiled" or (backend == "auto" and q.device.type != "cuda"):
         return "tiled"

@@ -316,8 +316,8 @@ def test_the_ring_refuses_what_the_kernel_cannot_do():
 
     q = torch.randn(1, 2, 8, 16, dtype=torch.float64)
     with pytest.raises(ValueError, match="backend 'triton' cannot serve this ring: dtype torch.float64"):
-        ring._kernel_name("triton", q, q, q)
-    assert ring._kernel_name("auto", q.float(), q.float(), q.float()) == "tiled"  # a CPU: tiled, not the interpreter
+        ring.block_kernel("triton", q, q, q)
+    assert ring.block_kernel("auto", q.float(), q.float(), q.float()) == "tiled"  # a CPU: tiled, not the interpreter
 
 
 def test_checker_negative_control_top_left_alignment():
