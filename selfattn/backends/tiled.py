@@ -28,7 +28,13 @@ the group inside the matmul.
 Dropout is supported: each tile draws its keep-mask from its own generator (one per batch
 row for a group of some rows), seeded from one number drawn from torch's global generator
 per call and the tile's place, so the backward regenerates exactly the forward's mask without
-storing it. Half-precision inputs are computed in float32.
+storing it.
+
+Half precision (FlashAttention's arithmetic): where the device multiplies float16 or bfloat16
+natively (:func:`multiplies_natively`), the tiles are multiplied as they are, and P and dS are rounded to
+the input's dtype to be multiplied; every product is accumulated in float32, and the sums, the
+running output and the softmax statistics are float32. Elsewhere the tiles are multiplied in
+float32, which is faster there than an emulated half-precision matmul.
 """
 from __future__ import annotations
 
@@ -41,7 +47,7 @@ from torch.autograd.function import once_differentiable
 
 from selfattn._seeds import stream_seed
 from selfattn._validate import positive_ints
-from selfattn.backends._common import half
+from selfattn.backends._common import half, multiplies_natively
 from selfattn.masks import HIDDEN, PARTIAL, Mask
 from selfattn.scores import Scores
 
@@ -166,7 +172,7 @@ def backward_from_lse(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
     qs, kw, vw = _prepare(q, k, v, scale)
     block_q, block_k = tile_sizes(mask)
     groups = plan(mask, T, S, block_q, block_k, q_start, k_start)
-    lse2 = _group(torch.where(lse.isinf(), float("inf"), lse * LOG2E).to(qs.dtype), Hkv)  # (B·Hkv, T·G, 1)
+    lse2 = _group(torch.where(lse.isinf(), float("inf"), lse * LOG2E).to(_accumulated(qs.dtype)), Hkv)
     dq, dk, dv, _ = _attend_backward(qs, kw, vw, out, lse2, grad_out, mask, Scores(), groups, scale,
                                      _starts(T, S, q_start, k_start), 0.0, 0)
     return dq, dk, dv
@@ -197,17 +203,18 @@ class _TiledAttention(torch.autograd.Function):
         if scores.sinks is not None and ctx.needs_input_grad[3]:  # d sink_h = -sum of p_sink · D over h's rows
             B, H = out.shape[:2]
             Hkv = kw.shape[0] // B
-            p_sink = (_sink_logits(scores.sinks, B, Hkv, T, qs.dtype) - lse).exp2_()  # (B·Hkv, T·G, 1)
+            p_sink = (_sink_logits(scores.sinks, B, Hkv, T, lse.dtype) - lse).exp2_()  # (B·Hkv, T·G, 1)
             dsinks = (p_sink * neg_d).view(B, Hkv, T, H // Hkv).sum(dim=(0, 2)).reshape(H).to(scores.sinks.dtype)
         return dq, dk, dv, dsinks, None, None, None, None, None, None, None
 
 
 def _prepare(q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, Tensor, Tensor]:
     """q, k, v as the kernels read them: q grouped (:func:`_group`) and pre-multiplied by
-    ``scale·log2(e)``, so scores come out in log2 units; k, v ``(B·Hkv, S, D)``; half inputs in float32."""
+    ``scale·log2(e)``, so scores come out in log2 units; k, v ``(B·Hkv, S, D)``; in the dtype
+    the tiles are multiplied in (half inputs in float32 where the device has no native half matmul)."""
     B, Hkv, S, D = k.shape
-    work = torch.float32 if half(q.dtype) else q.dtype
-    qs = _group(q.to(work) * (scale * LOG2E), Hkv)  # (B·Hkv, T·G, D)
+    work = q.dtype if multiplies_natively(q.device, q.dtype) else torch.float32
+    qs = _group((q.to(_accumulated(work)) * (scale * LOG2E)).to(work), Hkv)  # (B·Hkv, T·G, D)
     return qs, k.to(work).reshape(B * Hkv, S, D), v.to(work).reshape(B * Hkv, S, D)  # (B·Hkv, S, D) x2
 
 
@@ -220,7 +227,8 @@ def _attend(qs: Tensor, kw: Tensor, vw: Tensor, mask: Mask, scores: Scores, grou
             starts: tuple[int, int], dropout_p: float, seed: int) -> tuple[Tensor, Tensor]:
     """The forward over every group of rows: out ``(B·Hkv, T·G, D)`` and its log2-sum-exp2 ``(B·Hkv, T·G, 1)``."""
     Hkv = kw.shape[0] // B
-    out, lse = torch.empty_like(qs), qs.new_empty(B * Hkv, qs.shape[1], 1)
+    acc = _accumulated(qs.dtype)
+    out, lse = torch.empty_like(qs, dtype=acc), qs.new_empty(B * Hkv, qs.shape[1], 1, dtype=acc)
     for group in groups:
         part = _Part(group, mask, scores, B, Hkv, H // Hkv, starts, dropout_p, seed)
         o, l = _forward(part.take(qs), part.take(kw), part.take(vw), part)
@@ -236,10 +244,10 @@ def _attend_backward(qs: Tensor, kw: Tensor, vw: Tensor, out: Tensor, lse: Tenso
     from the log2-unit ``lse`` of the whole attention."""
     B, H, T, D = out.shape
     Hkv, S = kw.shape[0] // B, kw.shape[1]
-    grad_out = grad_out.to(qs.dtype)
-    do = _group(grad_out, Hkv)  # (B·Hkv, T·G, D)
-    neg_d = _group((grad_out * out.to(qs.dtype)).sum(dim=3, keepdim=True).neg_(), Hkv)  # -D, (B·Hkv, T·G, 1)
-    dq, dk, dv = torch.empty_like(qs), torch.empty_like(kw), torch.empty_like(vw)
+    acc = _accumulated(qs.dtype)
+    do = _group(grad_out.to(qs.dtype), Hkv)  # (B·Hkv, T·G, D)
+    neg_d = _group((grad_out.to(acc) * out.to(acc)).sum(dim=3, keepdim=True).neg_(), Hkv)  # -D, (B·Hkv, T·G, 1)
+    dq, dk, dv = (torch.empty_like(t, dtype=acc) for t in (qs, kw, vw))
     for group in groups:
         part = _Part(group, mask, scores, B, Hkv, H // Hkv, starts, dropout_p, seed)
         grads = _backward(*(part.take(t) for t in (qs, kw, vw, lse, do, neg_d)), part)
@@ -324,23 +332,24 @@ def _forward(qs: Tensor, k: Tensor, v: Tensor, part: _Part) -> tuple[Tensor, Ten
     ``(nb·Hkv, T·G, D)`` and the log2-sum-exp2 of the scores ``(nb·Hkv, T·G, 1)``."""
     G = part.heads[2]
     N, TG, D = qs.shape
-    floor = torch.finfo(qs.dtype).min  # a finite start: a row hidden in a whole tile gets 2^(-inf - floor) = 0
-    out = torch.zeros_like(qs)
-    lse = qs.new_full((N, TG, 1), float("inf"))
+    acc_dtype = _accumulated(qs.dtype)
+    floor = torch.finfo(acc_dtype).min  # a finite start: a row hidden in a whole tile gets 2^(-inf - floor) = 0
+    out = torch.zeros_like(qs, dtype=acc_dtype)
+    lse = qs.new_full((N, TG, 1), float("inf"), dtype=acc_dtype)
     kt = k.transpose(1, 2)  # (B·Hkv, D, S)
     sinks = part.scores.sinks
     for (i0, i1), block in groupby(part.tiles, key=lambda t: (t.i0, t.i1)):
         rows = slice(i0 * G, i1 * G)
         q_i = qs[:, rows]  # (B·Hkv, Bq·G, D)
         if sinks is None:
-            m = qs.new_full((N, (i1 - i0) * G, 1), floor)  # running row max
+            m = qs.new_full((N, (i1 - i0) * G, 1), floor, dtype=acc_dtype)  # running row max
             l = torch.zeros_like(m)  # running row sum of 2^(score - m)
         else:  # the sink is one more logit of every row, seen before any key: 2^(sink - sink) = 1
-            m = _sink_logits(sinks, part.heads[0], part.heads[1], i1 - i0, qs.dtype)  # (B·Hkv, Bq·G, 1)
+            m = _sink_logits(sinks, part.heads[0], part.heads[1], i1 - i0, acc_dtype)  # (B·Hkv, Bq·G, 1)
             l = torch.ones_like(m)
-        acc = torch.zeros_like(q_i)  # running unnormalised output
+        acc = torch.zeros_like(q_i, dtype=acc_dtype)  # running unnormalised output
         for t in block:
-            s = torch.bmm(q_i, kt[:, :, t.k0:t.k1])  # (B·Hkv, Bq·G, Bk) scores
+            s = _mm(q_i, kt[:, :, t.k0:t.k1])  # (B·Hkv, Bq·G, Bk) scores
             if part.scores.modifies:
                 s = part.modify(s, t)
             if t.masked:
@@ -352,7 +361,7 @@ def _forward(qs: Tensor, k: Tensor, v: Tensor, part: _Part) -> tuple[Tensor, Ten
             l.mul_(alpha).add_(p.sum(dim=2, keepdim=True))
             if part.dropout_p > 0.0:
                 p.mul_(part.keep(t, p))
-            acc.mul_(alpha).baddbmm_(p, v[:, t.k0:t.k1])
+            _add_mm_(acc.mul_(alpha), p, v[:, t.k0:t.k1])
         # A row that sees a key has l >= 1 (its maximum contributes 2^0 = 1); a row that sees none has
         # l = 0 and acc = 0: it outputs zeros, and its lse = +inf makes its P zero in the backward.
         out[:, rows] = acc.div_(l.clamp(min=1.0))
@@ -366,41 +375,72 @@ def _backward(qs: Tensor, k: Tensor, v: Tensor, lse: Tensor, do: Tensor, neg_d: 
     block. Returns dq (still to be scaled), dk (still to be divided by log2(e)), dv."""
     G = part.heads[2]
     neg_lse = lse.neg()  # (B·Hkv, T·G, 1)
-    dq, dk, dv = torch.zeros_like(qs), torch.zeros_like(k), torch.zeros_like(v)
+    acc = _accumulated(qs.dtype)
+    dq, dk, dv = (torch.zeros_like(t, dtype=acc) for t in (qs, k, v))
     kt, vt = k.transpose(1, 2), v.transpose(1, 2)  # (B·Hkv, D, S)
     by_key_block = sorted(part.tiles, key=lambda t: t.k0)
     for (k0, k1), block in groupby(by_key_block, key=lambda t: (t.k0, t.k1)):
         k_j, kt_j, vt_j = k[:, k0:k1], kt[:, :, k0:k1], vt[:, :, k0:k1]  # (B·Hkv, Bk, D), (B·Hkv, D, Bk) x2
-        dk_j, dv_j = torch.zeros_like(k_j), torch.zeros_like(k_j)  # (B·Hkv, Bk, D)
+        dk_j, dv_j = torch.zeros_like(k_j, dtype=acc), torch.zeros_like(k_j, dtype=acc)  # (B·Hkv, Bk, D)
         for t in block:
             rows = slice(t.i0 * G, t.i1 * G)
             q_i, do_i = qs[:, rows], do[:, rows]  # (B·Hkv, Bq·G, D)
             if part.scores.modifies:
-                raw = torch.bmm(q_i, kt_j)  # (B·Hkv, Bq·G, Bk) scores before the score rules
+                raw = _mm(q_i, kt_j)  # (B·Hkv, Bq·G, Bk) scores before the score rules
                 user = raw.clone() if part.scores.score_mod is not None else None  # for the vjp of a score_mod
                 p = part.modify(raw, t)
                 capped = p.clone() if user is None and part.scores.softcap is not None else None
                 p.add_(neg_lse[:, rows])  # scores - lse
             else:
-                p = torch.baddbmm(neg_lse[:, rows], q_i, kt_j)  # (B·Hkv, Bq·G, Bk) scores - lse
+                p = _plus_mm(neg_lse[:, rows], q_i, kt_j)  # (B·Hkv, Bq·G, Bk) scores - lse
             if t.masked:
                 _hide(p, t, part)
             p.exp2_()  # P, recomputed
             if part.dropout_p > 0.0:
                 keep = part.keep(t, p)
-                dv_j.baddbmm_((p * keep).transpose(1, 2), do_i)
-                ds = torch.bmm(do_i, vt_j).mul_(keep).add_(neg_d[:, rows]).mul_(p)  # P * (dP - D)
+                _add_mm_(dv_j, (p * keep).transpose(1, 2), do_i)
+                ds = _mm(do_i, vt_j).mul_(keep).add_(neg_d[:, rows]).mul_(p)  # P * (dP - D)
             else:
-                dv_j.baddbmm_(p.transpose(1, 2), do_i)
-                ds = torch.baddbmm(neg_d[:, rows], do_i, vt_j).mul_(p)  # P * (dP - D)
+                _add_mm_(dv_j, p.transpose(1, 2), do_i)
+                ds = _plus_mm(neg_d[:, rows], do_i, vt_j).mul_(p)  # P * (dP - D)
             if part.scores.score_mod is not None:
                 ds = _through_score_rules(ds, user, t, part)  # the gradient of the unmodified scores
             elif part.scores.softcap is not None:  # d(c·tanh(s/c))/ds = 1 - tanh²(s/c), from the capped scores
                 ds.mul_(capped.mul_(1.0 / (LOG2E * part.scores.softcap)).square_().neg_().add_(1.0))
-            dq[:, rows] += torch.bmm(ds, k_j)
-            dk_j.baddbmm_(ds.transpose(1, 2), q_i)
+            _add_mm_(dq[:, rows], ds, k_j)
+            _add_mm_(dk_j, ds.transpose(1, 2), q_i)
         dk[:, k0:k1], dv[:, k0:k1] = dk_j, dv_j
     return dq, dk, dv
+
+
+def _accumulated(tile_dtype: torch.dtype) -> torch.dtype:
+    """The dtype products, sums and softmax statistics are kept in: float32 for half-precision tiles."""
+    return torch.float32 if half(tile_dtype) else tile_dtype
+
+
+def _mm(a: Tensor, b: Tensor) -> Tensor:
+    """a @ b (batched) in the accumulation dtype; half tiles are multiplied as they are, a cast
+    to b's dtype first (P and dS), with a float32 product."""
+    return _half_product(a.to(b.dtype), b) if half(b.dtype) else torch.bmm(a, b)
+
+
+def _half_product(a: Tensor, b: Tensor) -> Tensor:
+    """The float32 product of half-precision batched matrices, accumulated in float32. A GPU
+    returns it as it is (``out_dtype``); PyTorch 2.13's CPU matmul rounds it to half precision
+    first (no float32 output there), which still keeps the FlashAttention rule (tested)."""
+    if a.device.type == "cuda":
+        return torch.bmm(a, b, out_dtype=torch.float32)
+    return torch.bmm(a, b).float()
+
+
+def _plus_mm(c: Tensor, a: Tensor, b: Tensor) -> Tensor:
+    """c + a @ b: one fused call when the tiles are in c's dtype."""
+    return torch.baddbmm(c, a, b) if c.dtype == b.dtype else _mm(a, b).add_(c)
+
+
+def _add_mm_(c: Tensor, a: Tensor, b: Tensor) -> Tensor:
+    """c += a @ b in place: one fused call when the tiles are in c's dtype."""
+    return c.baddbmm_(a, b) if c.dtype == b.dtype else c.add_(_mm(a, b))
 
 
 def _hide(s: Tensor, t: Tile, part: _Part) -> None:

@@ -135,16 +135,7 @@ def _available_ram() -> int:
 
 def default_dtypes(device: torch.device) -> tuple[str, ...]:
     """float32, plus bfloat16 where the hardware computes it natively."""
-    if device.type == "cuda":
-        bf16 = torch.cuda.is_bf16_supported()
-    elif device.type == "cpu":
-        try:
-            bf16 = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())  # oneDNN's check for AVX512-BF16/AMX
-        except (AttributeError, RuntimeError):
-            bf16 = False
-    else:
-        bf16 = True
-    return ("float32", "bfloat16") if bf16 else ("float32",)
+    return ("float32", "bfloat16") if backends.multiplies_natively(device, torch.bfloat16) else ("float32",)
 
 
 def run(settings: Settings, device: torch.device, *, impls: list[Impl] | None = None, log=print) -> dict:

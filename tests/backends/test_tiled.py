@@ -12,9 +12,9 @@ from selfattn import Mask, attention
 from selfattn.backends import math, tiled
 from selfattn.backends._common import repeat_kv
 from selfattn.masks import FULL, HIDDEN, PARTIAL, BlockMap
-from selfattn.scores import Scores
+from selfattn.scores import Scores, alibi_slopes
 
-from helpers.parity import F64, HEADS, MASK_KINDS, assert_close_all, make_case
+from helpers.parity import F64, HEADS, MASK_KINDS, assert_close_all, assert_flash_rule, forward_backward, make_case
 
 
 def _mask(kwargs: dict) -> Mask:
@@ -227,6 +227,86 @@ def test_dtypes_are_preserved(dtype):
     out = tiled.run(q, k[:, :2], v[:, :2], Mask(), scale=0.3)
     out.sum().backward()
     assert out.dtype == q.grad.dtype == k.grad.dtype == v.grad.dtype == dtype
+
+
+# --- half-precision tiles: multiplied as they are where the device multiplies them natively ----
+
+HALF_FLOOR = {torch.bfloat16: 8e-3, torch.float16: 1e-3}  # about one ulp of max|x|, as in test_parity
+PRODUCTS = {  # how a device returns the float32 product of half tiles
+    "cpu": tiled._half_product,  # PyTorch's CPU matmul: rounded to half precision first
+    "gpu": lambda a, b: torch.bmm(a.float(), b.float()),  # exact, as a GPU's out_dtype=float32 returns it
+}
+
+
+@pytest.fixture
+def half_tiles(monkeypatch):
+    """Half tiles on this CPU as on one with AVX512-BF16 or AMX; returns the dtypes that reached the products."""
+    seen = set()
+    monkeypatch.setattr(tiled, "multiplies_natively", lambda device, dtype: True)
+
+    def use(product):
+        def spy(a, b):
+            seen.add((a.dtype, b.dtype))
+            return product(a, b)
+        monkeypatch.setattr(tiled, "_half_product", spy)
+        return seen
+    return use
+
+
+HALF_CASES = list(itertools.product(HALF_FLOOR, PRODUCTS, ("MHA", "GQA"), ("causal", "padding", "all", "many-docs"),
+                                    ((97, 0, 128), (600, 19, 16))))
+
+
+@pytest.mark.parametrize("dtype,product,heads,mask_kind,shape", HALF_CASES,
+                         ids=[f"{str(d)[6:]}-{p}-{h}-{m}-T{s[0]}-blocks{s[2]}" for d, p, h, m, s in HALF_CASES])
+def test_half_tiles_keep_the_flash_rule(half_tiles, dtype, product, heads, mask_kind, shape):
+    T, extra, block = shape  # (600, 19, 16): 38 key tiles per row, each product rounded on the CPU
+    H, Hkv = HEADS[heads]
+    seen = half_tiles(PRODUCTS[product])
+    inputs64, kwargs = make_case(H, Hkv, T, T + extra, 16, mask_kind)
+    exact = forward_backward("math", *inputs64, **kwargs)
+    inputs, kwargs = make_case(H, Hkv, T, T + extra, 16, mask_kind, dtype=dtype)
+    same = forward_backward("math", *inputs, **kwargs)
+    got = _tiled_grads(*inputs, _mask(kwargs), block_q=block, block_k=block)
+    assert seen == {(dtype, dtype)}  # every tile was multiplied in the input's dtype
+    assert all(t.dtype == dtype for t in got)
+    assert_flash_rule(got, same, exact, rel_floor=HALF_FLOOR[dtype])
+
+
+def test_negative_control_half_accumulators_fail_the_flash_rule(half_tiles, monkeypatch):
+    """The rule tells float32 accumulation from bfloat16: the same kernel keeping its sums,
+    running output and statistics in bfloat16 fails it, on dv over 38 key tiles."""
+    half_tiles(PRODUCTS["cpu"])
+    inputs64, kwargs = make_case(4, 2, 600, 619, 16, "causal")
+    exact = forward_backward("math", *inputs64, **kwargs)
+    inputs, kwargs = make_case(4, 2, 600, 619, 16, "causal", dtype=torch.bfloat16)
+    same = forward_backward("math", *inputs, **kwargs)
+    assert_flash_rule(_tiled_grads(*inputs, Mask(), block_q=16, block_k=16), same, exact, rel_floor=8e-3)
+    monkeypatch.setattr(tiled, "_accumulated", lambda tile_dtype: tile_dtype)
+    half_tiles(torch.bmm)  # products, sums and statistics all in bfloat16
+    with pytest.raises(AssertionError, match="dv: error"):
+        assert_flash_rule(_tiled_grads(*inputs, Mask(), block_q=16, block_k=16), same, exact, rel_floor=8e-3)
+
+
+def test_half_tiles_serve_score_rules_sinks_and_dropout(half_tiles, monkeypatch):
+    """ALiBi, soft-capping and learned sinks by the rule; dropout draws the same mask as float32 tiles."""
+    seen = half_tiles(PRODUCTS["cpu"])
+    (q, k, v, grad), kwargs = make_case(4, 2, 97, 97, 16, "padding", dtype=torch.bfloat16)
+    rules = {"alibi_slopes": alibi_slopes(4).bfloat16(), "softcap": 5.0,
+             "sinks": torch.linspace(-1, 1, 4, dtype=torch.bfloat16)}
+    inputs64, _ = make_case(4, 2, 97, 97, 16, "padding")
+    exact = forward_backward("math", *inputs64, **kwargs, **{n: r.double() if torch.is_tensor(r) else r
+                                                               for n, r in rules.items()})
+    same = forward_backward("math", q, k, v, grad, **kwargs, **rules)
+    assert_flash_rule(forward_backward("tiled", q, k, v, grad, **kwargs, **rules), same, exact, rel_floor=8e-3)
+    assert seen == {(torch.bfloat16, torch.bfloat16)}
+    torch.manual_seed(3)
+    half = forward_backward("tiled", q, k, v, grad, dropout_p=0.3, **kwargs)
+    monkeypatch.setattr(tiled, "multiplies_natively", lambda device, dtype: dtype == torch.float32)  # float32 tiles
+    torch.manual_seed(3)
+    full = forward_backward("tiled", q, k, v, grad, dropout_p=0.3, **kwargs)
+    for a, b in zip(half, full):  # the same dropped weights: the two differ by bf16 rounding only
+        torch.testing.assert_close(a, b, atol=0.05, rtol=0.02)
 
 
 @pytest.mark.parametrize("name,value,error", [("block_q", 0, ValueError), ("block_k", -3, ValueError),
