@@ -28,7 +28,12 @@ the README has the tables):
    the same choice of mask as rule 4 (``flex`` forward on documents, a mask_mod or a short
    window; causal ALiBi at T = 4096 took tiled 402 ms against flex's 522), else ``tiled``
    (which serves every rule), ``sdpa`` only for what is a dense additive bias, ``math`` last.
-6. On a CUDA device (not measured by this project yet): plain causal ``sdpa``; other masks and
+6. Half precision with a gradient on a CPU without native half matmuls (AVX2): ``tiled``
+   whatever the mask. Its tiles are multiplied in float32 there, while PyTorch's bfloat16 SDPA
+   backward is slow: plain causal at T = 4096 took 4103 ms forward+backward against tiled's
+   1104 (SDPA with a dense mask: 7.4-8.6 s, every masked cell), though SDPA's bfloat16 forward
+   still won (164 ms against 237), so forward passes follow rules 2-4.
+7. On a CUDA device (not measured by this project yet): plain causal ``sdpa``; other masks and
    score rules ``flex`` when compiling is allowed, else ``triton`` when it is installed and
    serves the request, else ``tiled``.
 
@@ -45,6 +50,7 @@ import torch
 from torch import Tensor
 
 from selfattn.backends import tiled
+from selfattn.backends._common import half, multiplies_natively
 from selfattn.masks import Mask
 from selfattn.scores import Scores
 
@@ -77,6 +83,8 @@ def candidates(q: Tensor | None, k: Tensor | None, v: Tensor | None, mask: Mask 
             return ["flex"] * (_compile and dropout_p == 0.0) + ["triton", "tiled", "sdpa", "math"]
         flex_serves = not grad and dropout_p == 0.0 and _compile and T * S > SMALL and _flex_wins(mask)
         return ["flex"] * flex_serves + ["tiled", "sdpa", "math"]
+    if grad and q.device.type == "cpu" and half(q.dtype) and not multiplies_natively(q.device, q.dtype):
+        return ["tiled", "sdpa"]  # rule 6
     if mask.plain_causal or mask.is_full or (not mask.per_batch and mask.prefix_len is None
                                              and mask.window is not None and mask.window >= S):
         return ["sdpa"]  # a window >= S is plain causal

@@ -229,11 +229,12 @@ def _attend(qs: Tensor, kw: Tensor, vw: Tensor, mask: Mask, scores: Scores, grou
     Hkv = kw.shape[0] // B
     acc = _accumulated(qs.dtype)
     out, lse = torch.empty_like(qs, dtype=acc), qs.new_empty(B * Hkv, qs.shape[1], 1, dtype=acc)
-    for group in groups:
-        part = _Part(group, mask, scores, B, Hkv, H // Hkv, starts, dropout_p, seed)
-        o, l = _forward(part.take(qs), part.take(kw), part.take(vw), part)
-        part.put(out, o)
-        part.put(lse, l)
+    with _own_dtypes(qs.device):
+        for group in groups:
+            part = _Part(group, mask, scores, B, Hkv, H // Hkv, starts, dropout_p, seed)
+            o, l = _forward(part.take(qs), part.take(kw), part.take(vw), part)
+            part.put(out, o)
+            part.put(lse, l)
     return out, lse
 
 
@@ -248,11 +249,12 @@ def _attend_backward(qs: Tensor, kw: Tensor, vw: Tensor, out: Tensor, lse: Tenso
     do = _group(grad_out.to(qs.dtype), Hkv)  # (B·Hkv, T·G, D)
     neg_d = _group((grad_out.to(acc) * out.to(acc)).sum(dim=3, keepdim=True).neg_(), Hkv)  # -D, (B·Hkv, T·G, 1)
     dq, dk, dv = (torch.empty_like(t, dtype=acc) for t in (qs, kw, vw))
-    for group in groups:
-        part = _Part(group, mask, scores, B, Hkv, H // Hkv, starts, dropout_p, seed)
-        grads = _backward(*(part.take(t) for t in (qs, kw, vw, lse, do, neg_d)), part)
-        for full, g in zip((dq, dk, dv), grads):
-            part.put(full, g)
+    with _own_dtypes(qs.device):
+        for group in groups:
+            part = _Part(group, mask, scores, B, Hkv, H // Hkv, starts, dropout_p, seed)
+            grads = _backward(*(part.take(t) for t in (qs, kw, vw, lse, do, neg_d)), part)
+            for full, g in zip((dq, dk, dv), grads):
+                part.put(full, g)
     dq = _ungroup(dq.mul_(scale), B, H, Hkv).to(out.dtype)  # (B, H, T, D)
     dk = dk.div_(LOG2E).view(B, Hkv, S, D).to(out.dtype)  # (B, Hkv, S, D); qs carried scale·log2(e)
     dv = dv.view(B, Hkv, S, D).to(out.dtype)  # (B, Hkv, S, D)
@@ -411,6 +413,11 @@ def _backward(qs: Tensor, k: Tensor, v: Tensor, lse: Tensor, do: Tensor, neg_d: 
             _add_mm_(dk_j, ds.transpose(1, 2), q_i)
         dk[:, k0:k1], dv[:, k0:k1] = dk_j, dv_j
     return dq, dk, dv
+
+
+def _own_dtypes(device: torch.device) -> torch.autocast:
+    """A context where autocast leaves the kernels' matmuls in the dtypes they chose."""
+    return torch.autocast(device.type, enabled=False)
 
 
 def _accumulated(tile_dtype: torch.dtype) -> torch.dtype:

@@ -6,7 +6,9 @@
    learned sinks), sink tokens and prefix-LM, by the FlashAttention rule
    (:func:`selfattn.audit.parity.flash_rule`): ``max|triton - exact| <= 2 max|math_same_dtype
    - exact| + floor``, where ``exact`` is the math backend in float32 for half inputs (float64
-   for float32 inputs), with IEEE float32 matmuls (no TF32). A failing case stops the suite.
+   for float32 inputs), with IEEE float32 matmuls (no TF32). The ``tiled`` backend's half tiles
+   (multiplied in bf16/fp16 with float32 products) are checked the same way. A failing case
+   stops the suite.
 2. Speed: forward and forward+backward of the kernel against
    ``scaled_dot_product_attention`` restricted to its FlashAttention and its cuDNN backend,
    16k tokens per batch, MHA. TFLOP/s count only the (query, key) pairs the mask shows (the
@@ -48,11 +50,17 @@ PARITY = (
     (2, 4, 4, 4096, 4096, 64, "fp16", {"prefix": True}),  # prefix-LM, a different prefix per row
     (1, 4, 4, 8192, 8192, 64, "bf16", {"window": 1024, "sink_tokens": 4}),  # StreamingLLM's sink tokens
 )
+# The tiled backend's half-precision tiles on a GPU (``bmm`` with float32 products), same format.
+TILED_PARITY = (
+    (2, 8, 2, 4096, 4096, 64, "bf16", {}),
+    (2, 4, 4, 2048, 2048, 128, "fp16", {"window": 256, "padding": True, "docs": True}),
+)
 
 
 @dataclass
 class Settings:
-    parity: tuple = PARITY  # the parity cases (see PARITY)
+    parity: tuple = PARITY  # the parity cases of triton (see PARITY)
+    tiled_parity: tuple = TILED_PARITY  # the parity cases of tiled's half tiles
     dtypes: tuple[str, ...] = ("bf16", "fp16")  # benchmark dtypes
     seq_lens: tuple[int, ...] = (1024, 4096, 16384)  # benchmark T
     head_dims: tuple[int, ...] = (64, 128)  # benchmark D
@@ -62,7 +70,8 @@ class Settings:
 
 
 FULL = Settings()
-QUICK = Settings(parity=PARITY[:2] + PARITY[4:5], dtypes=("bf16",), seq_lens=(1024, 4096), head_dims=(128,))
+QUICK = Settings(parity=PARITY[:2] + PARITY[4:5], tiled_parity=TILED_PARITY[:1], dtypes=("bf16",),
+                 seq_lens=(1024, 4096), head_dims=(128,))
 
 
 def unavailable(device: torch.device) -> str | None:
@@ -124,15 +133,15 @@ def run(settings: Settings, device: torch.device, *, log=print) -> dict:
     log(common.describe(info))
     result = {"suite": "triton", "machine": info, "settings": asdict(settings), "triton": triton.__version__,
               "parity": [], "results": [], "not_run": []}
-    for case in settings.parity:
-        row = check_parity(case, device)
+    for backend, case in [("triton", c) for c in settings.parity] + [("tiled", c) for c in settings.tiled_parity]:
+        row = check_parity(case, device, backend)
         result["parity"].append(row)
-        log(f"parity {'ok  ' if row['ok'] else 'FAIL'} {row['case']}  (triton/math err) "
+        log(f"parity {'ok  ' if row['ok'] else 'FAIL'} {backend} {row['case']}  ({backend}/math err) "
             + " ".join(f"{p['name']} {p['error']:.1e}/{p['reference_error']:.1e}" for p in row["tensors"]))
         torch.cuda.empty_cache()
-    failed = [r["case"] for r in result["parity"] if not r["ok"]]
+    failed = [(r["backend"], r["case"]) for r in result["parity"] if not r["ok"]]
     if failed:
-        raise common.CorrectnessError(f"triton breaks the FlashAttention rule in {len(failed)} parity case(s), "
+        raise common.CorrectnessError(f"the FlashAttention rule is broken in {len(failed)} parity case(s), "
                                       f"first {failed[0]}")
     for dtype_name in settings.dtypes:
         for D in settings.head_dims:
@@ -150,7 +159,7 @@ def run(settings: Settings, device: torch.device, *, log=print) -> dict:
     return result
 
 
-def check_parity(case, device: torch.device) -> dict:
+def check_parity(case, device: torch.device, backend: str = "triton") -> dict:
     B, H, Hkv, T, S, D, dtype_name, opts = case
     dtype = DTYPES[dtype_name]
     g = torch.Generator(device=device).manual_seed(0)
@@ -159,14 +168,15 @@ def check_parity(case, device: torch.device) -> dict:
     mask = masks_for(B, H, S, opts, device)
     exact_dtype = torch.float64 if dtype == torch.float32 else torch.float32
     started = time.perf_counter()
-    got = forward_backward("triton", q, k, v, dout, dtype=dtype, **mask)
-    torch.cuda.synchronize()
+    got = forward_backward(backend, q, k, v, dout, dtype=dtype, **mask)
+    common.sync(device)
     seconds = time.perf_counter() - started
     same = forward_backward("math", q, k, v, dout, dtype=dtype, **mask)
     torch.cuda.empty_cache()
     exact = forward_backward("math", q, k, v, dout, dtype=exact_dtype, **mask)
     rows = flash_rule(got, same, exact, floor=FLOOR[dtype])
-    return {"case": dict(B=B, H=H, Hkv=Hkv, T=T, S=S, D=D, dtype=dtype_name, **opts), "ok": all(p.ok for p in rows),
+    case_row = dict(B=B, H=H, Hkv=Hkv, T=T, S=S, D=D, dtype=dtype_name, **opts)
+    return {"backend": backend, "case": case_row, "ok": all(p.ok for p in rows),
             "seconds_first_call": round(seconds, 3), "tensors": [p._asdict() | {"ok": p.ok} for p in rows]}
 
 

@@ -45,6 +45,20 @@ def test_the_rule():
     assert _choose(*_request(mask_mod=mask_mod, n_head=4, batch_rows=torch.arange(1))) == flex  # flex compiles it
 
 
+@pytest.mark.parametrize("native", [False, True])
+def test_the_rule_for_half_precision_training_on_a_cpu(monkeypatch, native):
+    """Without native half matmuls SDPA's CPU bfloat16 backward is slow: tiled serves every mask."""
+    monkeypatch.setattr(auto, "multiplies_natively", lambda device, dtype: native)
+    want = "sdpa" if native else "tiled"
+    for dtype in (torch.bfloat16, torch.float16):
+        assert _choose(*_request(grad=True, dtype=dtype)) == want  # plain causal
+        assert _choose(*_request(grad=True, dtype=dtype, causal=False)) == want  # no mask
+        assert _choose(*_request(T=64, grad=True, dtype=dtype, window=8)) == want  # a short sequence
+        assert _choose(*_request(grad=True, dtype=dtype, window=64)) == "tiled"  # a window: rule 4 either way
+        assert _choose(*_request(dtype=dtype)) == "sdpa"  # the forward alone: SDPA's is the faster
+    assert _choose(*_request(grad=True)) == "sdpa"  # float32 training: rule 2
+
+
 def test_the_rule_for_score_rules():
     """ALiBi, soft-capping, sinks: the mask decides as without them; flex only forward, where it wins."""
     from selfattn.scores import Scores

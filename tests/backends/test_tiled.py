@@ -309,6 +309,15 @@ def test_half_tiles_serve_score_rules_sinks_and_dropout(half_tiles, monkeypatch)
         torch.testing.assert_close(a, b, atol=0.05, rtol=0.02)
 
 
+def test_autocast_leaves_the_tiles_in_their_dtypes():
+    """Under autocast (mixed-precision training) the kernels compute exactly as without it."""
+    (q, k, v, grad), kwargs = make_case(4, 2, 97, 97, 16, "window", dtype=torch.bfloat16)
+    plain = forward_backward("tiled", q, k, v, grad, **kwargs)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        mixed = forward_backward("tiled", q, k, v, grad, **kwargs)
+    assert all(torch.equal(a, b) for a, b in zip(plain, mixed))
+
+
 @pytest.mark.parametrize("name,value,error", [("block_q", 0, ValueError), ("block_k", -3, ValueError),
                                               ("block_q", 2.0, TypeError), ("block_k", True, TypeError)])
 def test_bad_block_sizes(name, value, error):

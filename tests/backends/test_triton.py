@@ -80,6 +80,9 @@ def test_gpu_suite_counts_the_causal_half_and_needs_a_gpu(capsys):
     assert triton_gpu.visible_pairs(5, 5, causal=True, window=2) == 1 + 2 + 2 + 2 + 2
     assert triton_gpu.visible_pairs(3, 5, causal=False) == 15
     assert triton_gpu.attention_flops(1, 2, 8, 8, 16, causal=False, backward=True) == 3.5 * 4 * 2 * 16 * 64
+    case = (1, 2, 1, 64, 80, 16, "bf16", {"window": 8, "padding": True})  # the GPU gate's check, run on the CPU
+    row = triton_gpu.check_parity(case, torch.device("cpu"), "tiled")
+    assert row["ok"] and row["backend"] == "tiled" and [t["name"] for t in row["tensors"]] == ["out", "dq", "dk", "dv"]
     if not torch.cuda.is_available():
         assert main(["bench", "triton", "--device", "cpu", "--out", "unused"]) == 2
         err = capsys.readouterr().err
