@@ -34,7 +34,6 @@ def half(dtype: torch.dtype) -> bool:
     return dtype in (torch.float16, torch.bfloat16)
 
 
-
 def multiplies_natively(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether ``device`` multiplies ``dtype`` matrices at least at its float32 rate: always for
     float32 and float64; half precision on CUDA (bfloat16 where the GPU has it), and on a CPU

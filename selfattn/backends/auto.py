@@ -50,7 +50,7 @@ import torch
 from torch import Tensor
 
 from selfattn.backends import tiled
-from selfattn.backends._common import half, multiplies_natively
+from selfattn.backends._common import multiplies_natively
 from selfattn.masks import Mask
 from selfattn.scores import Scores
 
@@ -83,8 +83,8 @@ def candidates(q: Tensor | None, k: Tensor | None, v: Tensor | None, mask: Mask 
             return ["flex"] * (_compile and dropout_p == 0.0) + ["triton", "tiled", "sdpa", "math"]
         flex_serves = not grad and dropout_p == 0.0 and _compile and T * S > SMALL and _flex_wins(mask)
         return ["flex"] * flex_serves + ["tiled", "sdpa", "math"]
-    if grad and q.device.type == "cpu" and half(q.dtype) and not multiplies_natively(q.device, q.dtype):
-        return ["tiled", "sdpa"]  # rule 6
+    if grad and q.device.type == "cpu" and not multiplies_natively(q.device, q.dtype):
+        return ["tiled", "sdpa"]  # rule 6: half precision without native half matmuls
     if mask.plain_causal or mask.is_full or (not mask.per_batch and mask.prefix_len is None
                                              and mask.window is not None and mask.window >= S):
         return ["sdpa"]  # a window >= S is plain causal

@@ -5,7 +5,6 @@
 child's output when any of them fails. The refusals need no kernel run: a CPU tensor
 without the interpreter is exactly the case they must refuse.
 """
-import importlib.util
 import os
 import subprocess
 import sys
@@ -17,9 +16,9 @@ import torch
 from selfattn import attention
 from selfattn.masks import Mask
 
+from helpers.extras import needs_triton
+
 ROOT = Path(__file__).resolve().parents[2]
-needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
-                                  reason="triton is not installed (pip install 'selfattn[triton]')")
 
 
 @needs_triton

@@ -6,12 +6,11 @@ and forgives what only a GPU build sees (a variable typed differently in two bra
 (shipped in the wheel) turn each kernel into a cubin, with every mask and score flag on and
 with all of them off. A broken kernel fails the same build (the negative control).
 """
-import importlib.util
-
 import pytest
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
-                                reason="triton is not installed (pip install 'selfattn[triton]')")
+from helpers.extras import needs_triton
+
+pytestmark = needs_triton
 
 FLAGS = ("CAUSAL", "HAS_WINDOW", "HAS_KPM", "HAS_DOC", "HAS_PREFIX", "HAS_ALIBI", "HAS_SOFTCAP", "HAS_SINKS")
 TENSORS = ("Q", "K", "V", "O", "DO", "DQ", "DK", "DV")  # in the request's dtype
