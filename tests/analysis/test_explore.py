@@ -235,7 +235,7 @@ def test_predictions_are_the_models_top_tokens_and_losses(page, shown):
     with torch.no_grad():
         logp = model(tokens[None])[0][0].log_softmax(-1)  # (T, V)
     page.locator("#predictions").scroll_into_view_if_needed()
-    page.wait_for_function(f"document.querySelectorAll('#pred-table tbody tr').length === {len(tokens)}")
+    page.wait_for_function(f"() => document.querySelectorAll('#pred-table tbody tr').length === {len(tokens)}")
     rows = page.evaluate(js_list("#pred-table tbody tr", """[...[...e.cells].slice(0, 5).map((c) => c.textContent),
         [...e.cells[5].querySelectorAll('.chip')].map((c) =>
             [c.firstChild.textContent.slice(0, -1), +c.lastChild.textContent])]"""))

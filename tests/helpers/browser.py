@@ -36,7 +36,8 @@ class Browser:
         page.on("pageerror", lambda e: errors.append(str(e)))
         page.goto(url)
         if ready:
-            page.wait_for_function("document.documentElement.dataset.ready", timeout=30_000)
+            # a function, not an expression: Playwright polls an expression with eval, which the page's CSP forbids
+            page.wait_for_function("() => document.documentElement.dataset.ready", timeout=30_000)
             state = page.evaluate("document.documentElement.dataset.ready")
             assert state == "true" and not errors, f"{url} failed to draw: {errors or page.inner_text('#error')}"
         return page
