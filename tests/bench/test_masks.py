@@ -1,0 +1,153 @@
+"""selfattn bench masks: the cells are the masks they name, wrong implementations are caught
+before anything is timed, the contenders get the repetitions, and the targets read the numbers."""
+import json
+import time
+
+import pytest
+import torch
+
+from selfattn.attention import attention
+from selfattn.bench import common, masks
+from selfattn.cli import main as cli_main
+
+CPU = torch.device("cpu")
+FAST = ("auto", "math", "sdpa", "tiled", "sdpa-dense")  # no compiling backend: seconds, not a minute
+
+
+def _small(**kw):
+    base = dict(cells=(("window-256", 512), ("docs-16", 512), ("padding-50", 512)), n_head=2, reps=1,
+                gate_len=64, impls=FAST)
+    return masks.Settings(**(base | kw))
+
+
+def test_each_cell_is_the_mask_it_names():
+    T = 4096
+    window = masks.request(masks.mask_kwargs("window-256", 1, T, CPU), 1, 8, CPU)[0]
+    assert masks.visible_pairs(window, 1, 1, T, T) == sum(min(i + 1, 256) for i in range(T))
+    docs = masks.request(masks.mask_kwargs("docs-16", 1, T, CPU), 1, 8, CPU)[0]
+    assert masks.visible_pairs(docs, 1, 1, T, T) == 16 * sum(range(1, 257))  # 16 causal documents of 256
+    pad = masks.request(masks.mask_kwargs("padding-50", 1, T, CPU), 1, 8, CPU)[0]
+    assert masks.visible_pairs(pad, 1, 1, T, T) == sum(range(1, T // 2 + 1))  # the real half, causal
+    assert masks.visible_pairs(pad, 2, 3, T, T) == 6 * masks.visible_pairs(pad, 1, 1, T, T)
+    with pytest.raises(ValueError, match="unknown mask 'stripes'"):
+        masks.mask_kwargs("stripes", 1, T, CPU)
+
+
+def test_small_run_times_every_implementation_and_reports_auto_against_the_fastest(tmp_path):
+    result = masks.run(_small(), CPU, log=lambda _: None)
+    assert {(g["impl"], g["mode"]) for g in result["gate"]} == {(n, m) for n in FAST for m in masks.MODES}
+    assert all(g["max_err"] < 1e-4 for g in result["gate"])  # float32 against math in float64
+    for mask_name in ("window-256", "docs-16", "padding-50"):
+        for mode in masks.MODES:
+            rows = [r for r in result["results"] if (r["mask"], r["mode"]) == (mask_name, mode)]
+            assert {r["impl"] for r in rows} == set(FAST) and all(r["status"] == "ok" for r in rows)
+            assert min(r["ratio"] for r in rows) == 1.0
+            assert all(r["time_s"] == common.median(r["times_s"]) and r["gflops"] > 0 for r in rows)
+            assert len({r["auto_choice"] for r in rows}) == 1
+            assert all("check_err" in r for r in rows if r["impl"] != "tiled")  # each checked against tiled
+    text = masks.report(result)
+    assert "auto chose" in text and "targets" in text
+    assert masks.plot(result, tmp_path / "masks.png").stat().st_size > 10_000
+    json.dumps(result)  # what the CLI writes
+
+
+def test_cli_quick_flags_reach_the_settings(tmp_path, capsys):
+    assert cli_main(["bench", "masks", "--threads", "1", "--out", str(tmp_path), "--cells", "causal:256",
+                     "--impls", "auto", "sdpa", "tiled", "--reps", "1"]) == 0
+    result = json.loads((tmp_path / "masks.json").read_text())
+    assert result["settings"]["cells"] == [["causal", 256]] and result["settings"]["impls"] == ["auto", "sdpa", "tiled"]
+    assert {r["auto_choice"] for r in result["results"]} == {"sdpa"}  # plain causal (rule 2)
+    assert "wrote" in capsys.readouterr().out
+
+
+def test_a_wrong_implementation_fails_the_gate_and_nothing_is_timed(monkeypatch):
+    real = masks._implementations
+
+    def with_a_wrong_sdpa(*args):
+        fns, why, setup = real(*args)
+        fns["sdpa"] = lambda q, k, v: attention(q, k, v, backend="sdpa")  # ignores the cell's mask: plain causal
+        return fns, why, setup
+    monkeypatch.setattr(masks, "_implementations", with_a_wrong_sdpa)
+    with pytest.raises(common.CorrectnessError, match="gate window-4 T=64 fwd sdpa tensor 0: relative error"):
+        masks.run(_small(cells=(("window-256", 512),)), CPU, log=lambda _: None)
+
+
+def test_the_check_in_each_cell_catches_what_the_gate_size_misses(monkeypatch):
+    real = masks._implementations
+
+    def wrong_from_512(names, mask_name, B, H, T, device, dtype):
+        fns, why, setup = real(names, mask_name, B, H, T, device, dtype)
+        if T >= 512:
+            fns["sdpa"] = lambda q, k, v: attention(q, k, v, backend="sdpa")
+        return fns, why, setup
+    monkeypatch.setattr(masks, "_implementations", wrong_from_512)
+    with pytest.raises(common.CorrectnessError, match="sdpa .* T=512 fwd tensor 0 vs tiled"):
+        masks.run(_small(cells=(("docs-16", 512),)), CPU, log=lambda _: None)
+
+
+def test_contenders_are_repeated_the_rest_are_not():
+    s = masks.Settings(reps=5, slow_s=5.0)
+    rounds = masks._rounds({"tiled": 0.1, "flex": 0.14, "auto": 0.11, "sdpa-dense": 0.5, "math": 9.0}, s)
+    assert rounds == [(["tiled", "flex", "auto"], 15), (["sdpa-dense"], 5), (["math"], 1)]
+    long = masks._rounds({"tiled": 14.0, "auto": 13.0, "sdpa": 40.0}, s)  # contenders at least 3 times
+    assert long == [(["tiled", "auto"], 3), (["sdpa"], 1)]
+    assert masks._rounds({"tiled": 2.0, "auto": 2.1}, s) == [(["tiled", "auto"], 10)]  # ~20 s each
+    assert masks._rounds({}, s) == []
+
+
+def test_a_compiling_implementation_is_judged_by_its_call_after_compiling():
+    q, k, v, dout = masks._inputs(1, 2, 128, 16, CPU, torch.float32)
+
+    def compiles_then_fast():
+        calls = []
+
+        def fn(q, k, v):
+            if not calls:
+                time.sleep(0.3)  # the first call compiles
+            calls.append(1)
+            return attention(q, k, v, backend="tiled")
+        return fn
+    fns = {"tiled": lambda q, k, v: attention(q, k, v, backend="tiled"), "flex": compiles_then_fast(),
+           "sdpa": compiles_then_fast()}  # sdpa's first call is slow too, but sdpa does not compile
+    live = {n: {} for n in fns}
+    settings = masks.Settings(max_call_s=0.2)
+    kept = masks._checked_first_calls(fns, live, q, k, v, dout, "fwd", {}, 1, 128, CPU, torch.float32, settings,
+                                      {"flex"})
+    assert kept == ["tiled", "flex"]
+    assert live["flex"]["first_s"] >= 0.3 > 0.2 >= live["flex"]["warm_s"]
+    assert live["sdpa"]["status"] == "too slow" and live["sdpa"]["reason"].startswith("first call")
+
+
+def _synthetic(times: dict, choice: str = "tiled") -> dict:
+    """A result of the given {(impl, mask, T, mode, dtype): seconds}, ratios as run() computes them."""
+    rows = [{"impl": i, "mask": m, "T": T, "mode": mode, "dtype": dt, "status": "ok", "time_s": t,
+             "auto_choice": choice, "matmul_fraction": 0.5} for (i, m, T, mode, dt), t in times.items()]
+    for r in rows:
+        r["ratio"] = r["time_s"] / min(x["time_s"] for x in rows
+                                       if (x["mask"], x["T"], x["mode"], x["dtype"]) ==
+                                       (r["mask"], r["T"], r["mode"], r["dtype"]))
+    return {"results": rows}
+
+
+def test_targets_pass_and_miss_on_the_measured_numbers():
+    docs = ("docs-16", 16384)
+    good = _synthetic({("auto", *docs, "fwd", "float32"): 1.0, ("tiled", *docs, "fwd", "float32"): 1.0,
+                       ("flex-compiled", *docs, "fwd", "float32"): 0.9,
+                       ("auto", *docs, "fwd+bwd", "float32"): 1.0, ("sdpa-dense", *docs, "fwd+bwd", "float32"): 9.0,
+                       ("tiled", *docs, "fwd+bwd", "float32"): 1.0})
+    by = {t["target"].split(":")[0]: t for t in masks.targets(good)}
+    assert by["auto <= 1.1x the fastest implementation in every cell"]["status"] == "MISS"  # 1.11x of flex-compiled
+    assert by["tiled forward, 16 documents, T=16384 <= 2x compiled FlexAttention"]["status"] == "PASS"
+    assert by["forward+backward, 16 documents, T=16384"]["status"] == "PASS"
+    assert by["fixed window"]["status"] == "n/a"
+
+    noise = _synthetic({("auto", "window-256", 4096, "fwd", "float32"): 1.25,
+                        ("tiled", "window-256", 4096, "fwd", "float32"): 1.0})  # auto ran tiled, 25% slower
+    auto = masks.targets(noise)[0]
+    assert auto["status"] == "MISS"
+    assert auto["measured"].endswith("the backend it chose, timed as itself: worst 1.00x (window-256 4096 fwd float32)")
+
+    bf16 = _synthetic({("sdpa", "causal", 4096, "fwd", "bfloat16"): 3.0,
+                       ("tiled", "causal", 4096, "fwd", "bfloat16"): 1.0})
+    assert masks.targets(bf16)[-1]["status"] == "PASS"
+    assert [t["status"] for t in masks.targets({"results": []})] == ["n/a"] * 7
