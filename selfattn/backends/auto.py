@@ -28,6 +28,8 @@ the README has the tables):
    the same choice of mask as rule 4 (``flex`` forward on documents, a mask_mod or a short
    window; causal ALiBi at T = 4096 took tiled 402 ms against flex's 522), else ``tiled``
    (which serves every rule), ``sdpa`` only for what is a dense additive bias, ``math`` last.
+   Soft-capping's forward went both ways on two machines of this kind (T = 4096: tiled 368 ms
+   against flex's 501; flex 363 against tiled's 413), so it stays with tiled, which also trains.
 6. Half precision with a gradient on a CPU without native half matmuls (AVX2): ``tiled``
    whatever the mask. Its tiles are multiplied in float32 there, while PyTorch's bfloat16 SDPA
    backward is slow: plain causal at T = 4096 took 4103 ms forward+backward against tiled's

@@ -495,7 +495,7 @@ def plot(result: dict, path: Path) -> Path:
             at = {(r["mask"], r["T"]): r["time_s"] * 1e3 for r in rows if r["impl"] == name and r["mode"] == mode}
             ax.bar([j + i * width for j in range(len(cells))], [at.get(c, pymath.nan) for c in cells], width,
                    label=name)
-        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(cells))], [f"{m}\nT={T}" for m, T in cells], fontsize=8)
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(cells))], [f"{m}\nT={T}" for m, T in cells], fontsize=7)
         ax.set(yscale="log", ylabel="ms (median)", title=f"{dtype} {mode}")
         ax.legend(fontsize=7, ncols=len(names))
     fig.suptitle(f"selfattn bench masks ({result['machine']['cpu']}, {result['machine']['device']})")
