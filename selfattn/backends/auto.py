@@ -10,7 +10,11 @@ the README has the tables):
    against tiled's 203 and FlexAttention's 216; 523 ms forward+backward against tiled's 667.
 3. A small request, T·S <= ``SMALL`` (a decoding step over a cache, a short sequence):
    ``sdpa`` with the dense mask. At T = S = 256 it took 1.6 ms forward against tiled's 2.7
-   (window 64 and 4 documents); at 512 the two tied; from 1024 on tiled won by 1.6-2.9x.
+   (window 64 and 4 documents); at 512 the two tied; from 1024 on tiled won by 1.6-2.9x. The
+   crossover is in T, not in the batch or heads: at T = 256 SDPA was 1.2-2.4x faster from
+   B·H = 8 to 192 (B=16, H=12), forward and forward+backward; at T = 512 (B·H = 8 and 32)
+   tiled was faster in 6 of 8 cells, SDPA taking 0.81-1.80x its time (medians of 9 interleaved
+   runs, window 64 and 4 documents).
 4. Windows, padding, documents: the tiles the mask leaves visible decide (the block map's
    density at the tiled backend's tile size). Tiled costs about 1.2x SDPA per computed pair
    (plain causal at T = 4096: 203 ms for the 53% of tiles it computes, against 320 ms for SDPA
