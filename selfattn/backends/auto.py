@@ -33,7 +33,9 @@ the README has the tables):
    window; causal ALiBi at T = 4096 took tiled 402 ms against flex's 522), else ``tiled``
    (which serves every rule), ``sdpa`` only for what is a dense additive bias, ``math`` last.
    Soft-capping's forward went both ways on two machines of this kind (T = 4096: tiled 368 ms
-   against flex's 501; flex 363 against tiled's 413), so it stays with tiled, which also trains.
+   against flex's 501; flex 363 against tiled's 413) until tiled computed the cap with a sigmoid
+   instead of tanh: then tiled 417 ms against flex's 573 (``selfattn bench masks --cells
+   softcap:4096 causal:4096 --impls auto tiled flex flex-compiled sdpa``).
 6. Half precision with a gradient on a CPU without native half matmuls (AVX2): ``tiled``
    whatever the mask. Its tiles are multiplied in float32 there, while PyTorch's bfloat16 SDPA
    backward is slow: plain causal at T = 4096 took 4103 ms forward+backward against tiled's
