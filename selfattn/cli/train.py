@@ -38,6 +38,7 @@ def main(args: argparse.Namespace) -> int:
         try:
             with _Progress() as progress:  # the bar is closed before anything else is printed
                 result = train(model_cfg, train_cfg, out, resume_from=resume_from, on_event=progress)
+            parallel.barrier()  # every rank is done before any tears the process group down
             if parallel.rank() == 0:
                 print(_summary(result, train_cfg))
             return 0
