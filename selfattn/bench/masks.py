@@ -401,8 +401,8 @@ def targets(result: dict) -> list[dict]:
     worst = max(((at[("auto", *c)]["ratio"], c) for c in cells if ("auto", *c) in at), default=None)
     # the same question asked of the backend auto chose, timed under its own name: a choice that
     # passes here and misses above lost to the noise between two runs of one computation
-    choice = max(((at[(at[("auto", *c)]["auto_choice"], *c)]["ratio"], c) for c in cells
-                  if ("auto", *c) in at and (at[("auto", *c)]["auto_choice"], *c) in at), default=None)
+    chosen = {c: (at[("auto", *c)]["auto_choice"], *c) for c in cells if ("auto", *c) in at}
+    choice = max(((at[key]["ratio"], c) for c, key in chosen.items() if key in at), default=None)
     out.append(common.target("auto <= 1.1x the fastest implementation in every cell", None if worst is None
                              else worst[0] <= 1.1, "not measured" if worst is None else
                              f"worst {worst[0]:.2f}x ({' '.join(map(str, worst[1]))})" + (
