@@ -147,6 +147,13 @@ def test_targets_pass_and_miss_on_the_measured_numbers():
     assert auto["status"] == "MISS"
     assert auto["measured"].endswith("the backend it chose, timed as itself: worst 1.00x (window-256 4096 fwd float32)")
 
+    cell = ("window-256", 4096, "fwd", "float32")  # the same, with flex between auto's two timings
+    among = _synthetic({("auto", *cell): 1.25, ("tiled", *cell): 1.0, ("flex", *cell): 1.2})
+    assert masks.targets(among)[0]["measured"].endswith(
+        "the slower of the two against every other implementation: worst 1.04x (window-256 4096 fwd float32)")
+    wrong = _synthetic({("auto", *cell): 1.0, ("tiled", *cell): 1.0, ("flex", *cell): 0.8})  # a wrong choice
+    assert "every other implementation: worst 1.25x" in masks.targets(wrong)[0]["measured"]
+
     bf16 = _synthetic({("sdpa", "causal", 4096, "fwd", "bfloat16"): 3.0,
                        ("tiled", "causal", 4096, "fwd", "bfloat16"): 1.0})
     assert masks.targets(bf16)[-1]["status"] == "PASS"
