@@ -48,7 +48,7 @@ the README has the tables):
    serves the request, else ``tiled``.
 
 Each candidate is asked (``unsupported``) before it is chosen; the next one serves when it
-refuses. Compiling backends (``flex``: about 5 s for every new shape on that CPU) can be kept
+refuses. Compiling backends (``flex``: 0.1-9 s for every new shape on that CPU) can be kept
 out of ``auto`` with :func:`allow_compile` or the environment variable
 ``SELFATTN_AUTO_COMPILE=0``.
 """
