@@ -3,6 +3,8 @@ import os
 import pytest
 import torch
 
+from selfattn import backends
+
 if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)  # one thread per xdist worker: no oversubscription of the cores
 
@@ -10,3 +12,12 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture(params=[False, True], ids=["emulated-half", "native-half"])
+def either_cpu(request):
+    """Runs the test twice, whatever this CPU is: as on one without native half-precision matmuls
+    (AVX2 alone) and as on one with them (AVX512-BF16 or AMX). Yields which."""
+    before = backends.assume_native_half(request.param)
+    yield request.param
+    backends.assume_native_half(before)

@@ -12,7 +12,8 @@ Every backend is a module of this package that satisfies :class:`Backend`:
 :func:`resolve` turns ``"auto"`` into a backend name (the rule and its measurements:
 :mod:`selfattn.backends.auto`); :func:`load` imports one;
 :func:`availability` says whether one can run on a device here, without raising;
-:func:`multiplies_natively` whether a device multiplies half precision at full speed.
+:func:`multiplies_natively` whether a device multiplies half precision at full speed
+(:func:`assume_native_half` decides it for the CPU, to run either side on any machine).
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ import torch
 from torch import Tensor
 
 from selfattn.backends import auto
-from selfattn.backends._common import multiplies_natively  # noqa: F401  (public here)
+from selfattn.backends._common import assume_native_half, multiplies_natively  # noqa: F401  (public here)
 from selfattn.masks import Mask
 from selfattn.scores import Scores
 

@@ -45,11 +45,9 @@ def test_the_rule():
     assert _choose(*_request(mask_mod=mask_mod, n_head=4, batch_rows=torch.arange(1))) == flex  # flex compiles it
 
 
-@pytest.mark.parametrize("native", [False, True])
-def test_the_rule_for_half_precision_training_on_a_cpu(monkeypatch, native):
+def test_the_rule_for_half_precision_training_on_a_cpu(either_cpu):
     """Without native half matmuls SDPA's CPU bfloat16 backward is slow: tiled serves every mask."""
-    monkeypatch.setattr(auto, "multiplies_natively", lambda device, dtype: native or dtype == torch.float32)
-    want = "sdpa" if native else "tiled"
+    want = "sdpa" if either_cpu else "tiled"
     for dtype in (torch.bfloat16, torch.float16):
         assert _choose(*_request(grad=True, dtype=dtype)) == want  # plain causal
         assert _choose(*_request(grad=True, dtype=dtype, causal=False)) == want  # no mask

@@ -1,5 +1,6 @@
 """selfattn bench masks: the cells are the masks they name, wrong implementations are caught
 before anything is timed, the contenders get the repetitions, and the targets read the numbers."""
+import itertools
 import json
 import time
 
@@ -33,18 +34,23 @@ def test_each_cell_is_the_mask_it_names():
         masks.mask_kwargs("stripes", 1, T, CPU)
 
 
-def test_small_run_times_every_implementation_and_reports_auto_against_the_fastest(tmp_path):
+GATE_TOLERANCE = {"float32": 1e-4, "bfloat16": 2e-2}  # against math in float64; bf16 rounds to 8 bits
+
+
+def test_small_run_times_every_implementation_and_reports_auto_against_the_fastest(tmp_path, either_cpu):
     result = masks.run(_small(), CPU, log=lambda _: None)
-    assert {(g["impl"], g["mode"]) for g in result["gate"]} == {(n, m) for n in FAST for m in masks.MODES}
-    assert all(g["max_err"] < 1e-4 for g in result["gate"])  # float32 against math in float64
-    for mask_name in ("window-256", "docs-16", "padding-50"):
-        for mode in masks.MODES:
-            rows = [r for r in result["results"] if (r["mask"], r["mode"]) == (mask_name, mode)]
-            assert {r["impl"] for r in rows} == set(FAST) and all(r["status"] == "ok" for r in rows)
-            assert min(r["ratio"] for r in rows) == 1.0
-            assert all(r["time_s"] == common.median(r["times_s"]) and r["gflops"] > 0 for r in rows)
-            assert len({r["auto_choice"] for r in rows}) == 1
-            assert all("check_err" in r for r in rows if r["impl"] != "tiled")  # each checked against tiled
+    dtypes = ["float32", "bfloat16"] if either_cpu else ["float32"]  # bfloat16 where the CPU multiplies it
+    assert result["settings"]["dtypes"] == dtypes
+    assert {(g["impl"], g["mode"], g["dtype"]) for g in result["gate"]} == {
+        (n, m, dt) for n in FAST for m in masks.MODES for dt in dtypes}
+    assert all(g["max_err"] < GATE_TOLERANCE[g["dtype"]] for g in result["gate"])
+    for mask_name, mode, dt in itertools.product(("window-256", "docs-16", "padding-50"), masks.MODES, dtypes):
+        rows = [r for r in result["results"] if (r["mask"], r["mode"], r["dtype"]) == (mask_name, mode, dt)]
+        assert {r["impl"] for r in rows} == set(FAST) and all(r["status"] == "ok" for r in rows)
+        assert min(r["ratio"] for r in rows) == 1.0
+        assert all(r["time_s"] == common.median(r["times_s"]) and r["gflops"] > 0 for r in rows)
+        assert len({r["auto_choice"] for r in rows}) == 1
+        assert all("check_err" in r for r in rows if r["impl"] != "tiled")  # each checked against tiled
     text = masks.report(result)
     assert "auto chose" in text and "targets" in text
     assert masks.plot(result, tmp_path / "masks.png").stat().st_size > 10_000
