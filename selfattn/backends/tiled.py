@@ -155,10 +155,10 @@ def forward_with_lse(q: Tensor, k: Tensor, v: Tensor, mask: Mask, *, scale: floa
     """
     B, H, T, _ = q.shape
     Hkv, S = k.shape[1], k.shape[2]
-    qs, kw, vw = _prepare(q, k, v, scale)
+    qs, kw, vw = _prepare(q, k, v)
     block_q, block_k = tile_sizes(mask)
     groups = plan(mask, T, S, block_q, block_k, q_start, k_start)
-    out, lse = _attend(qs, kw, vw, mask, Scores(), groups, B, H, _starts(T, S, q_start, k_start), 0.0, 0)
+    out, lse = _attend(qs, kw, vw, mask, Scores(), groups, B, H, scale, _starts(T, S, q_start, k_start), 0.0, 0)
     lse = _ungroup(lse, B, H, Hkv)  # (B, H, T, 1)
     return _ungroup(out, B, H, Hkv), torch.where(lse.isinf(), float("-inf"), lse * LN2)
 
@@ -171,7 +171,7 @@ def backward_from_lse(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
     dq is this block's share; dk, dv are complete for these keys as far as these queries go."""
     B, H, T, D = q.shape
     Hkv, S = k.shape[1], k.shape[2]
-    qs, kw, vw = _prepare(q, k, v, scale)
+    qs, kw, vw = _prepare(q, k, v)
     block_q, block_k = tile_sizes(mask)
     groups = plan(mask, T, S, block_q, block_k, q_start, k_start)
     lse2 = _group(torch.where(lse.isinf(), float("inf"), lse * LOG2E).to(_accumulated(qs.dtype)), Hkv)
@@ -185,9 +185,9 @@ class _TiledAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, sinks, mask, scores, scale, dropout_p, seed, block_q, block_k):
         B, H, T, D = q.shape
         S = k.shape[2]
-        qs, kw, vw = _prepare(q, k, v, scale)
+        qs, kw, vw = _prepare(q, k, v)
         groups = plan(mask, T, S, block_q, block_k)
-        out, lse = _attend(qs, kw, vw, mask, scores, groups, B, H, _starts(T, S), dropout_p, seed)
+        out, lse = _attend(qs, kw, vw, mask, scores, groups, B, H, scale, _starts(T, S), dropout_p, seed)
         out = _ungroup(out, B, H, k.shape[1]).to(q.dtype)  # (B, H, T, D)
         ctx.save_for_backward(qs, kw, vw, out, lse)
         ctx.setup = (mask, scores, groups, scale, dropout_p, seed)
@@ -210,13 +210,14 @@ class _TiledAttention(torch.autograd.Function):
         return dq, dk, dv, dsinks, None, None, None, None, None, None, None
 
 
-def _prepare(q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, Tensor, Tensor]:
-    """q, k, v as the kernels read them: q grouped (:func:`_group`) and pre-multiplied by
-    ``scale·log2(e)``, so scores come out in log2 units; k, v ``(B·Hkv, S, D)``; in the dtype
-    the tiles are multiplied in (half inputs in float32 where the device has no native half matmul)."""
+def _prepare(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """q, k, v as the kernels read them: q grouped (:func:`_group`), k, v ``(B·Hkv, S, D)``, in the
+    dtype the tiles are multiplied in (half inputs in float32 where the device has no native half
+    matmul). q is not scaled here: :func:`_scores` applies ``scale·log2(e)`` to the float32 product,
+    since a half-precision q rounded after scaling would err by |score|·2^-9."""
     B, Hkv, S, D = k.shape
     work = q.dtype if multiplies_natively(q.device, q.dtype) else torch.float32
-    qs = _group((q.to(_accumulated(work)) * (scale * LOG2E)).to(work), Hkv)  # (B·Hkv, T·G, D)
+    qs = _group(q.to(work), Hkv)  # (B·Hkv, T·G, D)
     return qs, k.to(work).reshape(B * Hkv, S, D), v.to(work).reshape(B * Hkv, S, D)  # (B·Hkv, S, D) x2
 
 
@@ -226,14 +227,14 @@ def _starts(T: int, S: int, q_start: int | None = None, k_start: int = 0) -> tup
 
 
 def _attend(qs: Tensor, kw: Tensor, vw: Tensor, mask: Mask, scores: Scores, groups: list[Group], B: int, H: int,
-            starts: tuple[int, int], dropout_p: float, seed: int) -> tuple[Tensor, Tensor]:
+            scale: float, starts: tuple[int, int], dropout_p: float, seed: int) -> tuple[Tensor, Tensor]:
     """The forward over every group of rows: out ``(B·Hkv, T·G, D)`` and its log2-sum-exp2 ``(B·Hkv, T·G, 1)``."""
     Hkv = kw.shape[0] // B
     acc = _accumulated(qs.dtype)
     out, lse = torch.empty_like(qs, dtype=acc), qs.new_empty(B * Hkv, qs.shape[1], 1, dtype=acc)
     with _own_dtypes(qs.device):
         for group in groups:
-            part = _Part(group, mask, scores, B, Hkv, H // Hkv, starts, dropout_p, seed)
+            part = _Part(group, mask, scores, B, Hkv, H // Hkv, scale, starts, dropout_p, seed)
             o, l = _forward(part.take(qs), part.take(kw), part.take(vw), part)
             part.put(out, o)
             part.put(lse, l)
@@ -253,12 +254,12 @@ def _attend_backward(qs: Tensor, kw: Tensor, vw: Tensor, out: Tensor, lse: Tenso
     dq, dk, dv = (torch.empty_like(t, dtype=acc) for t in (qs, kw, vw))
     with _own_dtypes(qs.device):
         for group in groups:
-            part = _Part(group, mask, scores, B, Hkv, H // Hkv, starts, dropout_p, seed)
+            part = _Part(group, mask, scores, B, Hkv, H // Hkv, scale, starts, dropout_p, seed)
             grads = _backward(*(part.take(t) for t in (qs, kw, vw, lse, do, neg_d)), part)
             for full, g in zip((dq, dk, dv), grads):
                 part.put(full, g)
     dq = _ungroup(dq.mul_(scale), B, H, Hkv).to(out.dtype)  # (B, H, T, D)
-    dk = dk.div_(LOG2E).view(B, Hkv, S, D).to(out.dtype)  # (B, Hkv, S, D); qs carried scale·log2(e)
+    dk = dk.mul_(scale).view(B, Hkv, S, D).to(out.dtype)  # (B, Hkv, S, D)
     dv = dv.view(B, Hkv, S, D).to(out.dtype)  # (B, Hkv, S, D)
     return dq, dk, dv, neg_d
 
@@ -267,9 +268,10 @@ class _Part:
     """One group of batch rows as the kernels see it: its slice of every (B·Hkv, ...) tensor,
     its mask, its tiles and its dropout streams."""
 
-    def __init__(self, group: Group, mask: Mask, scores: Scores, B: int, Hkv: int, G: int, starts: tuple[int, int],
-                 dropout_p: float, seed: int):
+    def __init__(self, group: Group, mask: Mask, scores: Scores, B: int, Hkv: int, G: int, scale: float,
+                 starts: tuple[int, int], dropout_p: float, seed: int):
         self.tiles, self.dropout_p, self.seed = group.tiles, dropout_p, seed
+        self.log2_scale = scale * LOG2E  # q · k times this: scores in log2 units
         self.q_start, self.k_start = starts  # the positions of query row 0 and key column 0
         self.batch = group.rows  # None: every batch row
         self.mask = mask if group.rows is None else mask.rows(group.rows)
@@ -358,7 +360,7 @@ def _forward(qs: Tensor, k: Tensor, v: Tensor, part: _Part) -> tuple[Tensor, Ten
             l = torch.ones_like(m)
         acc = torch.zeros_like(q_i, dtype=acc_dtype)  # running unnormalised output
         for t in block:
-            s = _mm(q_i, kt[:, :, t.k0:t.k1])  # (B·Hkv, Bq·G, Bk) scores
+            s = _scores(q_i, kt[:, :, t.k0:t.k1], part.log2_scale)  # (B·Hkv, Bq·G, Bk)
             if part.scores.modifies:
                 s = part.modify(s, t)
             if t.masked:
@@ -395,13 +397,13 @@ def _backward(qs: Tensor, k: Tensor, v: Tensor, lse: Tensor, do: Tensor, neg_d: 
             rows = slice(t.i0 * G, t.i1 * G)
             q_i, do_i = qs[:, rows], do[:, rows]  # (B·Hkv, Bq·G, D)
             if part.scores.modifies:
-                raw = _mm(q_i, kt_j)  # (B·Hkv, Bq·G, Bk) scores before the score rules
+                raw = _scores(q_i, kt_j, part.log2_scale)  # (B·Hkv, Bq·G, Bk) before the score rules
                 user = raw.clone() if part.scores.score_mod is not None else None  # for the vjp of a score_mod
                 p = part.modify(raw, t)
                 capped = p.clone() if user is None and part.scores.softcap is not None else None
                 p.add_(neg_lse[:, rows])  # scores - lse
             else:
-                p = _plus_mm(neg_lse[:, rows], q_i, kt_j)  # (B·Hkv, Bq·G, Bk) scores - lse
+                p = _scores(q_i, kt_j, part.log2_scale, neg_lse[:, rows])  # (B·Hkv, Bq·G, Bk) scores - lse
             if t.masked:
                 _hide(p, t, part)
             p.exp2_()  # P, recomputed
@@ -438,11 +440,34 @@ def _mm(a: Tensor, b: Tensor) -> Tensor:
     return _half_product(a.to(b.dtype), b) if half(b.dtype) else torch.bmm(a, b)
 
 
+def _scores(q: Tensor, kt: Tensor, log2_scale: float, shift: Tensor | None = None) -> Tensor:
+    """The scores of a tile in log2 units, ``log2_scale · q @ kt (+ shift)``, in float32 (or float64).
+    Scores are the one product whose absolute error counts: 2^s turns an error e of s into a factor
+    2^e on a weight, and a half-precision score rounded to its dtype errs by |s|·2^-9 (bfloat16's step
+    at s = 180 is 1). A GPU returns the float32 product of half tiles as it is; PyTorch's CPU matmul
+    rounds it, so there half tiles are multiplied in float32 for the scores alone (a cast of Bq + Bk
+    rows of D against a product of Bq·Bk·D)."""
+    if half(kt.dtype) and not _exact_half_product(kt.device):
+        q, kt = q.float(), kt.float()
+    if half(kt.dtype):
+        s = _half_product(q, kt).mul_(log2_scale)
+        return s if shift is None else s.add_(shift)
+    if shift is None:  # beta=0: the input is ignored, the scale rides in the matmul
+        return torch.baddbmm(q.new_zeros(()), q, kt, beta=0.0, alpha=log2_scale)
+    return torch.baddbmm(shift, q, kt, alpha=log2_scale)
+
+
+def _exact_half_product(device: torch.device) -> bool:
+    """Whether ``device`` returns the float32 product of half tiles unrounded (a GPU's ``out_dtype``)."""
+    return device.type == "cuda"
+
+
 def _half_product(a: Tensor, b: Tensor) -> Tensor:
     """The float32 product of half-precision batched matrices, accumulated in float32. A GPU
     returns it as it is (``out_dtype``); PyTorch 2.13's CPU matmul rounds it to half precision
-    first (no float32 output there), which still keeps the FlashAttention rule (tested)."""
-    if a.device.type == "cuda":
+    first (no float32 output there), which still keeps the FlashAttention rule for P·V and the
+    gradients (tested), not for the scores (:func:`_scores`)."""
+    if _exact_half_product(a.device):
         return torch.bmm(a, b, out_dtype=torch.float32)
     return torch.bmm(a, b).float()
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from selfattn import KVCache, Mask, SelfAttention, allowed, attention
+from selfattn import KVCache, Mask, SelfAttention, allowed, attention, backends
 from selfattn.backends import tiled
 from selfattn.rope import apply_rope, rope_angles
 
@@ -86,7 +86,7 @@ def test_negative_control_float64_checker_catches_window_off_by_one():
             assert_close_all(forward_backward("tiled", q, k, v, grad, window=wrong), want, **F64)
 
 
-def test_negative_control_flash_rule_catches_a_wrong_mask():
+def test_negative_control_flash_rule_catches_a_wrong_mask(either_cpu):
     bf16 = REL_FLOOR[torch.bfloat16]
     inputs64, _ = make_case(4, 4, 33, 40, 16, "causal")
     inputs, _ = make_case(4, 4, 33, 40, 16, "causal", dtype=torch.bfloat16)
@@ -104,7 +104,7 @@ def test_negative_control_flash_rule_catches_a_wrong_mask():
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
 @pytest.mark.parametrize("backend", ALL_BACKENDS)
-def test_fully_masked_rows_give_zeros_and_zero_finite_grads(backend, dtype):
+def test_fully_masked_rows_give_zeros_and_zero_finite_grads(backend, dtype, either_cpu):
     B, H, T, D = 3, 2, 21, 8
     g = torch.Generator().manual_seed(1)
     q, k, v = (torch.randn(B, H, T, D, generator=g).to(dtype).requires_grad_() for _ in range(3))
@@ -124,7 +124,7 @@ def test_fully_masked_rows_give_zeros_and_zero_finite_grads(backend, dtype):
 
 
 @pytest.mark.parametrize("backend", ALL_BACKENDS)
-def test_half_scores_that_overflow_float16_stay_finite_and_correct(backend):
+def test_half_scores_that_overflow_float16_stay_finite_and_correct(backend, either_cpu):
     g = torch.Generator().manual_seed(2)
     B, H, T, D = 1, 2, 33, 64
     q = (torch.randn(B, H, T, D, generator=g) * 4 + 40).half()
@@ -139,6 +139,45 @@ def test_half_scores_that_overflow_float16_stay_finite_and_correct(backend):
         assert out.dtype == torch.float16
         torch.testing.assert_close(out.double(), want, atol=1e-2, rtol=0)  # float16 output rounding of |v| < 5
         assert all(torch.isfinite(t.grad).all() for t in (qq, kk, vv))
+
+
+def _large_scores(dtype, magnitude=4.0):
+    """q, k of mean ``magnitude`` (scores near 180 in log2 units at D = 64) and v, rounded to ``dtype``."""
+    g = torch.Generator().manual_seed(2)
+    q, k = ((torch.randn(1, 2, 33, 64, generator=g) * 0.1 + 1) * magnitude for _ in range(2))
+    return q.to(dtype), k.to(dtype), torch.randn(1, 2, 33, 64, generator=g).to(dtype)
+
+
+def _error_of(backend, q, k, v):
+    want = attention(q.double(), k.double(), v.double(), backend="math")  # the same rounded inputs
+    return (attention(q, k, v, backend=backend).double() - want).abs().max().item()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+def test_large_scores_keep_the_precision_of_math(backend, dtype, either_cpu):
+    """Scores near 180 (log2 units), where a score rounded to bfloat16 is off by up to 0.5: every
+    backend within 2x the error of math's (which takes its scores in float32), plus an ulp of v."""
+    q, k, v = _large_scores(dtype)
+    assert _error_of(backend, q, k, v) <= 2 * _error_of("math", q, k, v) + HALF_ULP[dtype]
+
+
+HALF_ULP = {torch.bfloat16: 2 ** -7, torch.float16: 2 ** -10}  # at |v| ~ 1
+
+
+def test_negative_control_scores_rounded_to_half_fail_the_large_score_test(monkeypatch):
+    """The tiled kernel's scores rounded to bfloat16 by the CPU's matmul (as before the scores
+    were multiplied in float32) are off by 0.3 on the same inputs, 40x math's error."""
+    before = backends.assume_native_half(True)
+    try:
+        q, k, v = _large_scores(torch.bfloat16)
+        bound = 2 * _error_of("math", q, k, v) + HALF_ULP[torch.bfloat16]
+        assert _error_of("tiled", q, k, v) <= bound
+        monkeypatch.setattr(tiled, "_exact_half_product", lambda device: True)  # scores through the half product,
+        monkeypatch.setattr(tiled, "_half_product", lambda a, b: torch.bmm(a, b).float())  # rounded as on a CPU
+        assert _error_of("tiled", q, k, v) > 10 * bound
+    finally:
+        backends.assume_native_half(before)
 
 
 @pytest.mark.parametrize("backend", ALL_BACKENDS)

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from selfattn import Mask, attention
+from selfattn import Mask, attention, backends
 from selfattn.backends import math, tiled
 from selfattn.backends._common import repeat_kv
 from selfattn.masks import FULL, HIDDEN, PARTIAL, BlockMap
@@ -162,13 +162,13 @@ def test_hidden_tiles_are_skipped_by_the_kernel_and_kv_is_never_repeated(monkeyp
     q = torch.randn(B, H, T, D)
     k, v = torch.randn(B, Hkv, T, D), torch.randn(B, Hkv, T, D)
     score_tiles = []
-    bmm = torch.bmm
+    baddbmm = torch.baddbmm
 
-    def counting_bmm(a, b, *args, **kwargs):
+    def counting_baddbmm(c, a, b, *args, **kwargs):
         if b.untyped_storage().data_ptr() == k.untyped_storage().data_ptr():  # a q·kᵀ score tile
             score_tiles.append(tuple(a.shape[:2]) + (b.shape[2],))
-        return bmm(a, b, *args, **kwargs)
-    monkeypatch.setattr(torch, "bmm", counting_bmm)
+        return baddbmm(c, a, b, *args, **kwargs)
+    monkeypatch.setattr(torch, "baddbmm", counting_baddbmm)
     tiled.run(q, k, v, Mask(window=16), scale=1.0, block_q=16, block_k=16)
     # 4 x 4 tiles; causal keeps the 10 on and below the diagonal; window 16 drops the 3 farthest
     assert len(score_tiles) == 7 == len(tiled.plan(Mask(window=16), T, T, 16, 16)[0].tiles)
@@ -183,7 +183,7 @@ def _dense_keep(mask, B, H, Hkv, T, S, dropout_p, seed, block_q, block_k):
     G = H // Hkv
     keep = torch.zeros(B * Hkv, T * G, S, dtype=torch.float64)  # the kernel's layout
     for group in tiled.plan(mask, T, S, block_q, block_k):
-        part = tiled._Part(group, mask, Scores(), B, Hkv, G, (S - T, 0), dropout_p, seed)
+        part = tiled._Part(group, mask, Scores(), B, Hkv, G, 1.0, (S - T, 0), dropout_p, seed)
         rows = torch.arange(B * Hkv) if part.index is None else part.index
         for t in group.tiles:
             like = torch.empty(len(rows), (t.i1 - t.i0) * G, t.k1 - t.k0, dtype=torch.float64)
@@ -207,7 +207,7 @@ def test_dropout_forward_and_backward_match_a_dense_reference(mask_kind):
     assert abs(dropped - p) < 0.03, dropped  # ~9000 visible entries
     kept = keep[visible][keep[visible] != 0]
     torch.testing.assert_close(kept, torch.full_like(kept, 1 / (1 - p)))  # kept weights are scaled by 1 / (1 - p)
-    part = tiled._Part(tiled.Group(None, []), Mask(), Scores(), 1, 2, 1, (0, 0), p, seed)
+    part = tiled._Part(tiled.Group(None, []), Mask(), Scores(), 1, 2, 1, 1.0, (0, 0), p, seed)
     first, second = (part.keep(tiled.Tile(0, 64, k0, k0 + 64, False), torch.empty(2, 64, 64)) for k0 in (0, 64))
     assert not torch.equal(first, second)  # each tile draws its own mask
 
@@ -222,7 +222,7 @@ def test_dropout_is_reproducible_from_torchs_generator():
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
-def test_dtypes_are_preserved(dtype):
+def test_dtypes_are_preserved(dtype, either_cpu):
     q, k, v = (torch.randn(2, 4, 9, 8, dtype=dtype, requires_grad=True) for _ in range(3))
     out = tiled.run(q, k[:, :2], v[:, :2], Mask(), scale=0.3)
     out.sum().backward()
@@ -242,15 +242,17 @@ PRODUCTS = {  # how a device returns the float32 product of half tiles
 def half_tiles(monkeypatch):
     """Half tiles on this CPU as on one with AVX512-BF16 or AMX; returns the dtypes that reached the products."""
     seen = set()
-    monkeypatch.setattr(tiled, "multiplies_natively", lambda device, dtype: True)
+    before = backends.assume_native_half(True)
 
     def use(product):
         def spy(a, b):
             seen.add((a.dtype, b.dtype))
             return product(a, b)
         monkeypatch.setattr(tiled, "_half_product", spy)
+        monkeypatch.setattr(tiled, "_exact_half_product", lambda device: product is not PRODUCTS["cpu"])
         return seen
-    return use
+    yield use
+    backends.assume_native_half(before)
 
 
 HALF_CASES = list(itertools.product(HALF_FLOOR, PRODUCTS, ("MHA", "GQA"), ("causal", "padding", "all", "many-docs"),
@@ -302,7 +304,7 @@ def test_half_tiles_serve_score_rules_sinks_and_dropout(half_tiles, monkeypatch)
     assert seen == {(torch.bfloat16, torch.bfloat16)}
     torch.manual_seed(3)
     half = forward_backward("tiled", q, k, v, grad, dropout_p=0.3, **kwargs)
-    monkeypatch.setattr(tiled, "multiplies_natively", lambda device, dtype: dtype == torch.float32)  # float32 tiles
+    backends.assume_native_half(False)  # float32 tiles (the fixture restores the setting)
     torch.manual_seed(3)
     full = forward_backward("tiled", q, k, v, grad, dropout_p=0.3, **kwargs)
     for a, b in zip(half, full):  # the same dropped weights: the two differ by bf16 rounding only
