@@ -17,7 +17,9 @@
   end-of-text token of the tokenizer and the generation config.
 
 The folder is assembled under a temporary name beside ``out_dir`` and renamed into place, so
-a kill leaves the old folder or the new one, never a mix of both.
+a kill leaves the old folder or the new one, never a mix of both. A ``selfattn train`` run
+folder (checkpoints, log or lock) is never replaced, ``force`` or not: it is checked before the
+work and again just before the rename, in case a run started there meanwhile.
 """
 from __future__ import annotations
 
@@ -36,6 +38,7 @@ from selfattn.training.tokenizers import BPETokenizer, ByteTokenizer, _bytes_to_
 
 EOT = "<|endoftext|>"
 PROBE_TOKENS = 64  # tokens the export is checked on: its logits against ours
+RUN_FILES = ("ckpt-*.safetensors", ".lock", "log.jsonl")  # a run folder's own files: export never deletes them
 
 # GPTConfig field -> (whether GPT-2 can express the value, what GPT-2 lacks otherwise)
 _GPT2_LACKS = {
@@ -79,7 +82,7 @@ def export(gpt: GPT, tokenizer: ByteTokenizer | BPETokenizer, out_dir: str | os.
     if not isinstance(tokenizer, (ByteTokenizer, BPETokenizer)):
         raise TypeError(f"export expects a ByteTokenizer or BPETokenizer, got {type(tokenizer).__name__}")
     out = Path(out_dir).absolute()
-    _check_target(out, force)
+    check_target(out, force)
     reasons = unsupported(gpt.config)
     if reasons:
         raise ValueError("cannot export to transformers' GPT2LMHeadModel: " + "; ".join(reasons))
@@ -103,6 +106,7 @@ def export(gpt: GPT, tokenizer: ByteTokenizer | BPETokenizer, out_dir: str | os.
         for name in files:
             os.chmod(tmp / name, mode)
             _files.fsync(tmp / name)
+        check_target(out, force)  # again: a run may have started in out_dir while the export was built
         _replace_folder(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -120,14 +124,25 @@ def byte_level_tokenizer():
     return tok
 
 
-def _check_target(out: Path, force: bool) -> None:
+def check_target(out_dir: str | os.PathLike, force: bool, *, flags: bool = False) -> None:
+    """Refuse an ``out_dir`` that :func:`export` must not write: a file; a ``selfattn train`` run
+    folder, or one with a run inside (any of :data:`RUN_FILES` at any depth), ``force`` or not; a
+    folder that is not empty, unless ``force``; a folder holding the current directory.
+    ``flags``: name the command's ``--out`` and ``--force`` rather than the arguments."""
+    out = Path(out_dir).absolute()
+    name, force_name = ("--out", "--force") if flags else ("out_dir", "force=True")
     if out.exists() and not out.is_dir():
-        raise ValueError(f"--out {str(out)!r} is a file, not a folder")
-    if out.is_dir() and any(out.iterdir()):
-        if not force:
-            raise ValueError(f"{str(out)!r} exists and is not empty; pass --force (force=True) to replace it")
-        if out == Path.cwd() or out in Path.cwd().parents:
-            raise ValueError(f"will not replace {str(out)!r}: it holds the current directory")
+        raise ValueError(f"{name} {str(out)!r} is a file, not a folder")
+    if not (out.is_dir() and any(out.iterdir())):
+        return
+    run = sorted(str(p.relative_to(out)) for pattern in RUN_FILES for p in out.rglob(pattern))
+    if run:
+        raise ValueError(f"will not replace {str(out)!r}, force or not: it holds a selfattn run ("
+                         f"{', '.join(run[:3])}{', ...' if len(run) > 3 else ''}); choose another {name}")
+    if not force:
+        raise ValueError(f"{name} {str(out)!r} exists and is not empty; pass {force_name} to replace it")
+    if out == Path.cwd() or out in Path.cwd().parents:
+        raise ValueError(f"will not replace {str(out)!r}: it holds the current directory")
 
 
 def _with_zero_biases(gpt: GPT) -> GPT:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from selfattn.export import PROBE_TOKENS, export
+from selfattn.export import PROBE_TOKENS, check_target, export
 from selfattn.loading import load
 
 
@@ -21,12 +21,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ckpt", required=True, metavar="PATH", default=argparse.SUPPRESS,
                    help="run folder, checkpoint file, or local GPT-2 folder saved by transformers")
     p.add_argument("--out", required=True, metavar="DIR", default=argparse.SUPPRESS,
-                   help="the folder to write (created; must be empty unless --force)")
-    p.add_argument("--force", action="store_true", help="replace --out when it exists and is not empty")
+                   help="the folder to write (created; must be empty unless --force; never a run folder)")
+    p.add_argument("--force", action="store_true",
+                   help="replace --out when it exists and is not empty (a run folder is refused even so)")
 
 
 def main(args: argparse.Namespace) -> int:
     out = Path(args.out).absolute()
+    check_target(out, args.force, flags=True)  # before the load: a large model takes a while
     loaded = load(args.ckpt)
     if out == loaded.source or out in loaded.source.absolute().parents:
         raise ValueError(f"--out {args.out!r} holds the model being exported ({loaded.source}); choose another folder")

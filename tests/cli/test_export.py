@@ -9,6 +9,9 @@ import dataclasses
 import io
 import json
 import os
+import subprocess
+import sys
+import time
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 
@@ -198,11 +201,93 @@ def test_an_existing_folder_is_replaced_only_with_force(byte_export, tmp_path, c
     assert cli(["export", "--ckpt", str(run), "--out", str(out), "--force"]) == 0
     assert sorted(p.name for p in out.iterdir()) == FILES  # replaced whole: the stale file is gone
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no temporaries left
-    assert cli(["export", "--ckpt", str(run), "--out", str(run), "--force"]) == 2
+    assert cli(["export", "--ckpt", str(out), "--out", str(out), "--force"]) == 2  # an exported folder, re-exported
     assert "holds the model being exported" in capsys.readouterr().err
     (tmp_path / "file").write_text("x")
     assert cli(["export", "--ckpt", str(run), "--out", str(tmp_path / "file")]) == 2
     assert "is a file, not a folder" in capsys.readouterr().err
+
+
+def run_files(folder) -> dict:
+    """Every file under ``folder`` (relative path -> bytes)."""
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_a_run_folder_is_never_replaced_force_or_not(byte_export, tmp_path, capsys):
+    run, *_ = byte_export
+    other = tmp_path / "runs" / "other"
+    other.parent.mkdir()
+    save_run(other, small(), ByteTokenizer())
+    (other / "log.jsonl").write_text('{"step": 1}\n')
+    locked = tmp_path / "locked"  # a run that has started and written nothing but its lock yet
+    locked.mkdir()
+    (locked / ".lock").write_text("4242 host\n")
+    for target, shown in ((other, "ckpt-0000001.safetensors, log.jsonl"), (locked, ".lock"),
+                          (tmp_path / "runs", "other/ckpt-0000001.safetensors, other/log.jsonl")):
+        before = run_files(target)
+        for force in ([], ["--force"]):
+            assert cli(["export", "--ckpt", str(run), "--out", str(target), *force]) == 2
+            err = capsys.readouterr().err
+            assert err.count("\n") == 1 and f"will not replace {str(target)!r}, force or not: it holds a " \
+                f"selfattn run ({shown}); choose another --out" in err, err
+            assert run_files(target) == before  # nothing deleted, nothing changed
+    (locked / ".lock").unlink()
+    (locked / "notes.txt").write_text("mine")  # control: the same folder without the run's files is replaced
+    assert cli(["export", "--ckpt", str(run), "--out", str(locked), "--force"]) == 0
+    assert sorted(p.name for p in locked.iterdir()) == FILES
+
+
+def test_a_run_that_starts_in_the_folder_during_the_export_is_kept(byte_export, tmp_path, monkeypatch):
+    from selfattn import export as export_module
+
+    run, *_ = byte_export
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "old.txt").write_text("old")
+    save = export_module._save_quietly
+
+    def save_while_a_run_starts(hf_model, hf_tokenizer, folder):
+        save(hf_model, hf_tokenizer, folder)
+        (out / ".lock").write_text("4242 host\n")  # `selfattn train --out out` began meanwhile
+    monkeypatch.setattr(export_module, "_save_quietly", save_while_a_run_starts)
+    loaded = load(run)
+    with pytest.raises(ValueError, match="force or not: it holds a selfattn run"):
+        export(loaded.model, loaded.tokenizer, out, force=True)
+    assert sorted(p.name for p in out.iterdir()) == [".lock", "old.txt"]
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]  # the temporary folder is gone
+    (out / ".lock").unlink()  # control: without the run, the same export replaces the folder
+    monkeypatch.setattr(export_module, "_save_quietly", save)
+    assert export(loaded.model, loaded.tokenizer, out, force=True).files == FILES
+
+
+def test_exporting_onto_a_live_run_kills_nothing_and_loses_nothing(byte_export, tmp_path, capsys):
+    run, *_ = byte_export
+    live = tmp_path / "live"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    train = subprocess.Popen([sys.executable, "-m", "selfattn", "train", "--n-layer", "1", "--n-embd", "16",
+                              "--n-head", "2", "--block-size", "16", "--batch-size", "4", "--max-steps", "300",
+                              "--eval-every", "300", "--eval-batches", "1", "--save-every", "1", "--keep", "2",
+                              "--out", str(live)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        deadline = time.monotonic() + 120
+        while not list(live.glob("ckpt-*.safetensors")) and train.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert list(live.glob("ckpt-*.safetensors")) and train.poll() is None, "the run did not get going"
+        code = cli(["export", "--ckpt", str(run), "--out", str(live), "--force"])
+        still_training = train.poll() is None
+        out, err = train.communicate(timeout=600)
+    finally:
+        if train.poll() is None:
+            train.kill()
+    assert still_training, "the run ended before the export tried: nothing was tested"
+    printed = capsys.readouterr()
+    assert code == 2 and "force or not: it holds a selfattn run" in printed.err and printed.err.count("\n") == 1
+    assert train.returncode == 0, err[-2000:]  # the run went on to its end, undisturbed
+    assert [p.name for p in sorted(live.glob("ckpt-*.safetensors"))] == ["ckpt-0000299.safetensors",
+                                                                        "ckpt-0000300.safetensors"]
+    steps = [json.loads(line)["step"] for line in (live / "log.jsonl").read_text().splitlines()]
+    assert steps == [0, *range(1, 301), 300]  # every step and both evaluations logged, none lost
+    assert (live / "tokens" / "meta.json").is_file() and load(live).source.name == "ckpt-0000300.safetensors"
 
 
 def test_a_run_without_a_checkpoint_is_one_line(tmp_path, capsys):
