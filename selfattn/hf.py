@@ -11,6 +11,7 @@ and its layers have biases (``GPTConfig(bias=True)``).
 """
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -100,7 +101,10 @@ def load_gpt2(path: str | os.PathLike) -> GPT:
 
     Reads local files only; a missing directory is a FileNotFoundError, never a download.
     Only safetensors weights are read: a folder holding just a pickle (``pytorch_model.bin``)
-    is a ValueError saying how to convert it, and so is a damaged weights file.
+    is a ValueError saying how to convert it, and so is a damaged weights file. The model loads
+    whole or not at all: a ``config.json`` whose ``model_type`` is not ``gpt2``, and weights with
+    a tensor missing or one GPT-2 does not have, are ValueErrors naming them (``transformers``
+    alone would fill the gaps with random weights).
     """
     transformers = _transformers()
     folder = Path(path)
@@ -114,17 +118,36 @@ def load_gpt2(path: str | os.PathLike) -> GPT:
                              f"weights are loaded. Convert it once, where you trust the file: GPT2LMHeadModel."
                              f"from_pretrained('{folder}').save_pretrained('{folder}') writes model.safetensors")
         raise ValueError(f"load_gpt2: {folder} has no model.safetensors (expected a folder written by save_pretrained)")
-    bars = transformers.utils.logging
-    shown = bars.is_progress_bar_enabled()
-    bars.disable_progress_bar()  # a library prints nothing, not even a "Loading weights" bar
+    config = folder / "config.json"
+    model_type = json.loads(config.read_text()).get("model_type") if config.is_file() else None
+    if model_type != "gpt2":
+        raise ValueError(f"load_gpt2: {config} has model_type {model_type!r}, not 'gpt2'")
+    logs = transformers.utils.logging
+    shown, verbosity = logs.is_progress_bar_enabled(), logs.get_verbosity()
+    logs.disable_progress_bar()  # a library prints nothing: no "Loading weights" bar, no load report
+    logs.set_verbosity_error()  # (what the report says is raised below, as one line)
     try:
-        hf_model = transformers.GPT2LMHeadModel.from_pretrained(folder, local_files_only=True, use_safetensors=True)
+        hf_model, info = transformers.GPT2LMHeadModel.from_pretrained(
+            folder, local_files_only=True, use_safetensors=True, output_loading_info=True)
     except Exception as e:  # safetensors' Rust reader, transformers' config and shape checks raise many types
         raise ValueError(f"load_gpt2: cannot read the model in {folder}: {one_line(e)}") from e
     finally:
+        logs.set_verbosity(verbosity)
         if shown:
-            bars.enable_progress_bar()
+            logs.enable_progress_bar()
+    wrong = [f"{kind} {_listed(info[key])}" for kind, key in (("missing", "missing_keys"),
+             ("unexpected", "unexpected_keys"), ("of another shape", "mismatched_keys")) if info[key]]
+    if wrong:
+        raise ValueError(f"load_gpt2: the weights in {folder} are not GPT-2's for its config.json: "
+                         f"{'; '.join(wrong)}")
     return from_hf(hf_model)
+
+
+def _listed(names, shown: int = 4) -> str:
+    """``names`` (sorted) for a one-line message: the first few, then how many more."""
+    names = sorted(str(n) for n in names)
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return f"{len(names)} tensor{'s' if len(names) > 1 else ''}: {', '.join(names[:shown])}{more}"
 
 
 def _names(n_layer: int) -> list[tuple[str, str, bool]]:

@@ -4,11 +4,14 @@ local GPT-2 folder written by ``transformers``' ``save_pretrained``.
 - run folder of ``selfattn train``: its newest ``ckpt-*.safetensors``;
 - checkpoint file: ``ckpt-*.safetensors``, or a ``torch.save`` state dict (``.pt``, ``.pth``,
   ``.bin``, loaded with ``weights_only=True``) beside the run's ``config.json``;
-- GPT-2 folder (a ``config.json`` with a ``model_type``): weights through
-  :func:`selfattn.hf.load_gpt2`, tokenizer from the folder's ``tokenizer.json`` or
-  ``vocab.json`` + ``merges.txt``.
+- ``transformers`` folder (a ``config.json`` with a ``model_type``), dispatched on its
+  ``model_type``; ``gpt2`` only for now: weights through :func:`selfattn.hf.load_gpt2`,
+  tokenizer from the folder's ``tokenizer.json`` or ``vocab.json`` + ``merges.txt``. Any other
+  ``model_type`` is refused, naming it and the file.
 
-Each file is read once and its digest checked once; nothing is ever downloaded.
+A model loads whole or not at all: weights with a tensor missing or one the model lacks are
+refused, naming them. Each file is read once and its digest checked once; nothing is ever
+downloaded.
 """
 from __future__ import annotations
 
@@ -47,7 +50,7 @@ def load(path: str | os.PathLike) -> Loaded:
     if path.is_dir():
         found = checkpoint.read_latest(path)  # checkpoints first: a run folder's config.json is our own
         if found is None and is_transformers_folder(path):
-            return _load_gpt2(path)
+            return _load_transformers(path)
         if found is None:
             raise ValueError(f"{str(path)!r} holds no checkpoint (ckpt-*.safetensors) and no transformers config.json")
         path, tensors, header = found
@@ -74,12 +77,25 @@ def is_transformers_folder(path: Path) -> bool:
     return config.is_file() and "model_type" in _json_object(config)
 
 
+def _load_transformers(path: Path) -> Loaded:
+    """A ``transformers`` folder, by the ``model_type`` of its ``config.json``."""
+    config = path / "config.json"
+    model_type = _json_object(config)["model_type"]
+    if not isinstance(model_type, str) or model_type not in _FAMILIES:
+        raise ValueError(f"unsupported model_type {model_type!r} in {config}: this version loads "
+                         f"{', '.join(_FAMILIES)} folders")
+    return _FAMILIES[model_type](path)
+
+
 def _load_gpt2(path: Path) -> Loaded:
     from selfattn.hf import load_gpt2
 
     tokenizer = BPETokenizer.from_folder(path)
     start = tokenizer.token_id(GPT2_EOT)
     return Loaded(load_gpt2(path), tokenizer, _newline(tokenizer) if start is None else start, path)
+
+
+_FAMILIES = {"gpt2": _load_gpt2}  # model_type -> loader of its folders
 
 
 def _newline(tokenizer: ByteTokenizer | BPETokenizer) -> int | None:

@@ -144,3 +144,72 @@ def test_a_tokenizer_without_a_newline_needs_a_prompt(tmp_path, capsys):
     assert err.count("\n") == 1 and "has no token for a newline and no <|endoftext|>" in err and "--prompt" in err
     assert main(["sample", "--ckpt", str(tmp_path), "--prompt", "the cat", "--max-new-tokens", "2", "--seed", "0"]) == 0
     assert capsys.readouterr().out.startswith("the cat")
+
+
+def llama_folder(path):
+    """A tiny Llama with tied embeddings, saved by transformers with a BPE tokenizer.json beside it."""
+    import transformers
+
+    gpt2 = gpt2_folder(path)  # for its tokenizer.json
+    (gpt2 / "model.safetensors").unlink()
+    config = transformers.LlamaConfig(vocab_size=400, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=2, tie_word_embeddings=True)
+    transformers.LlamaForCausalLM(config).save_pretrained(path)
+    return path
+
+
+def test_a_folder_of_another_model_type_is_refused_naming_it(tmp_path, capsys):
+    folder = llama_folder(tmp_path / "llama")
+    capsys.readouterr()  # save_pretrained's progress bars
+    expected = f"unsupported model_type 'llama' in {folder / 'config.json'}: this version loads gpt2 folders"
+    with pytest.raises(ValueError) as e:
+        loading.load(folder)
+    assert str(e.value) == expected
+    from selfattn.hf import load_gpt2
+
+    with pytest.raises(ValueError, match=r"config.json has model_type 'llama', not 'gpt2'"):
+        load_gpt2(folder)  # called directly, not through load(): refused too
+    for command in (["sample", "--max-new-tokens", "3", "--prompt", "the cat"],
+                    ["export", "--out", str(tmp_path / "hf")]):
+        assert main([command[0], "--ckpt", str(folder), *command[1:]]) == 2
+        out, err = capsys.readouterr()
+        assert out == "" and err == f"selfattn {command[0]}: error: {expected}\n"  # no noise, no random export
+    assert not (tmp_path / "hf").exists()
+
+
+@pytest.mark.parametrize("edit, words", [
+    (lambda t: t.pop("transformer.h.1.mlp.c_fc.weight"), ["missing 1 tensor: transformer.h.1.mlp.c_fc.weight"]),
+    (lambda t: t.update({"transformer.h.2.ln_1.weight": torch.ones(16)}),
+     ["unexpected 1 tensor: transformer.h.2.ln_1.weight"]),
+    (lambda t: [t.pop(k) for k in sorted(t) if ".h.0." in k],
+     ["missing 12 tensors: transformer.h.0.attn.c_attn.bias, transformer.h.0.attn.c_attn.weight, "
+      "transformer.h.0.attn.c_proj.bias, transformer.h.0.attn.c_proj.weight and 8 more"]),
+])
+def test_a_gpt2_folder_with_tensors_missing_or_unexpected_loads_not_at_all(tmp_path, capsys, edit, words):
+    from safetensors.torch import load_file, save_file
+
+    folder = gpt2_folder(tmp_path / "gpt2")
+    tensors = load_file(folder / "model.safetensors")
+    edit(tensors)
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    capsys.readouterr()
+    with pytest.raises(ValueError) as e:
+        loading.load(folder)
+    message = str(e.value)
+    assert f"the weights in {folder} are not GPT-2's for its config.json" in message and "\n" not in message
+    assert all(w in message for w in words), message
+    assert main(["export", "--ckpt", str(folder), "--out", str(tmp_path / "hf")]) == 2
+    assert capsys.readouterr().err.count("\n") == 1 and not (tmp_path / "hf").exists()
+
+
+def test_gpt2_weights_named_without_the_transformer_prefix_still_load(tmp_path):  # control: nothing over-refused
+    import transformers
+    from safetensors.torch import load_file, save_file
+
+    folder = gpt2_folder(tmp_path / "gpt2")
+    tensors = {k.removeprefix("transformer."): v for k, v in load_file(folder / "model.safetensors").items()}
+    tensors |= {f"h.{i}.attn.bias": torch.ones(1, 1, 32, 32).tril() for i in range(2)}  # old files keep the mask
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    ids = torch.tensor([[5, 9, 30, 7]])
+    hf = transformers.GPT2LMHeadModel.from_pretrained(folder, local_files_only=True).eval()
+    torch.testing.assert_close(loading.load(folder).model.eval()(ids)[0], hf(ids).logits, atol=1e-5, rtol=1e-5)
