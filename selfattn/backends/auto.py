@@ -47,7 +47,10 @@ the README has the tables):
    score rules ``flex`` when compiling is allowed, else ``triton`` when it is installed and
    serves the request, else ``tiled``.
 
-Each candidate is asked (``unsupported``) before it is chosen; the next one serves when it
+Measured here first: where this machine has timed requests of the kind (``selfattn bench
+calibrate``, or ``SELFATTN_AUTO_TUNE=1``; :mod:`selfattn.backends.tuning`), the backend it measured
+fastest comes first and the rule above orders the rest; requests nothing measured covers follow the
+rule alone. Each candidate is asked (``unsupported``) before it is chosen; the next one serves when it
 refuses. Compiling backends (``flex``: 0.1-9 s for every new shape on that CPU) can be kept
 out of ``auto`` with :func:`allow_compile` or the environment variable
 ``SELFATTN_AUTO_COMPILE=0``.
@@ -59,7 +62,7 @@ import os
 import torch
 from torch import Tensor
 
-from selfattn.backends import tiled
+from selfattn.backends import tiled, tuning
 from selfattn.backends._common import multiplies_natively
 from selfattn.masks import Mask
 from selfattn.scores import Scores
@@ -77,11 +80,28 @@ def allow_compile(enabled: bool) -> None:
     _compile = bool(enabled)
 
 
+def allows_compile() -> bool:
+    return _compile
+
+
 def candidates(q: Tensor | None, k: Tensor | None, v: Tensor | None, mask: Mask | None, dropout_p: float,
                return_weights: bool, scores: Scores | None = None) -> list[str]:
-    """The backends for this request, best first (see the module docstring); the caller takes the
-    first that is installed and does not refuse. q, k, v and mask arrive validated (or None:
-    no request, just the name)."""
+    """The backends for this request, best first (see the module docstring): this machine's
+    measured fastest, if any, then the rule's. The caller takes the first that is installed and
+    does not refuse. q, k, v and mask arrive validated (or None: no request, just the name)."""
+    by_rule = rule(q, k, v, mask, dropout_p, return_weights, scores)
+    if return_weights or q is None or mask is None or dropout_p > 0.0:
+        return by_rule
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    measured = tuning.choice(q, k, v, mask, scores, grad)
+    if measured is None or (measured == "flex" and not _compile):
+        return by_rule
+    return [measured] + [name for name in by_rule if name != measured]
+
+
+def rule(q: Tensor | None, k: Tensor | None, v: Tensor | None, mask: Mask | None, dropout_p: float,
+         return_weights: bool, scores: Scores | None = None) -> list[str]:
+    """The measured rule of the module docstring (1-7), best first."""
     if return_weights:
         return ["math"]
     if q is None or mask is None:

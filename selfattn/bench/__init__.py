@@ -18,14 +18,17 @@ settings, ``run(settings, device, log=...) -> result``, ``report(result) -> text
 - ``context-parallel`` (:mod:`~selfattn.bench.context_parallel`): ring attention over N local
   processes against one: memory per rank, bytes sent against the formula, the layouts' balance;
 - ``triton`` (:mod:`~selfattn.bench.triton_gpu`, CUDA only): the Triton kernel's parity at
-  real sizes and its TFLOP/s against SDPA's FlashAttention and cuDNN backends.
+  real sizes and its TFLOP/s against SDPA's FlashAttention and cuDNN backends;
+- ``calibrate`` (:mod:`~selfattn.bench.calibrate`, not part of ``all``): times ``auto``'s
+  candidates on this machine and writes the cache file ``auto`` follows.
 
 Every implementation is checked against the reference before it is timed
 (:class:`~selfattn.bench.common.CorrectnessError` otherwise). The implementations and peers
 live in :mod:`~selfattn.bench.impls` and :mod:`~selfattn.bench.peers`.
 """
-from selfattn.bench import attention, context_parallel, decode, masks, train, triton_gpu
+from selfattn.bench import attention, calibrate, context_parallel, decode, masks, train, triton_gpu
 
 SUITES = {"attention": attention, "decode": decode, "train": train, "masks": masks,
-          "context-parallel": context_parallel, "triton": triton_gpu}
+          "context-parallel": context_parallel, "triton": triton_gpu, "calibrate": calibrate}
 GPU_ONLY = ("triton",)  # left out of ``all`` where there is no CUDA device
+NOT_IN_ALL = ("calibrate",)  # it tunes auto, it benchmarks no peer

@@ -1,7 +1,8 @@
 """Benchmarks against the peers, in one run: attention T sweep, decode tokens/s, train tokens/s.
 
-``selfattn bench attention|decode|train|masks|context-parallel|triton|all [--out DIR] [--quick]
-[--device D] [--threads N]`` runs the suites of :mod:`selfattn.bench`. Each prints its tables
+``selfattn bench attention|decode|train|masks|context-parallel|triton|calibrate|all [--out DIR]
+[--quick] [--device D] [--threads N]`` runs the suites of :mod:`selfattn.bench`;
+``selfattn bench calibrate --show`` says what ``auto`` follows on this machine. Each prints its tables
 and targets and writes ``DIR/<suite>.json`` and ``DIR/<suite>.png``; a failed correctness check
 stops the run with exit status 1. ``--quick`` runs small shapes in about a minute. ``all`` runs
 every suite, adding ``triton`` on a CUDA device.
@@ -14,7 +15,8 @@ import os
 import sys
 
 from selfattn import _files, _validate
-from selfattn.bench import GPU_ONLY, SUITES, attention, common, context_parallel, decode, masks, train
+from selfattn.bench import (GPU_ONLY, NOT_IN_ALL, SUITES, attention, calibrate, common, context_parallel, decode,
+                            masks, train)
 
 HELP = {"attention": "attention layers: our backends vs the peers over a T sweep",
         "decode": "generation tokens/s: KV cache vs no cache vs transformers' generate",
@@ -22,7 +24,8 @@ HELP = {"attention": "attention layers: our backends vs the peers over a T sweep
         "masks": "windows, documents, padding: every backend and auto's choice vs dense SDPA and FlexAttention",
         "context-parallel": "ring attention over N local processes vs one: memory per rank, bytes sent, balance",
         "triton": "the Triton kernel on a CUDA GPU: parity at real sizes, TFLOP/s vs SDPA flash and cuDNN",
-        "all": "every suite, one after the other (triton only on a CUDA device)"}
+        "calibrate": "time auto's candidates on this machine and keep the fastest for auto to follow",
+        "all": "every suite but calibrate, one after the other (triton only on a CUDA device)"}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -43,9 +46,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the benchmarks never download anything
     device = _validate.device(args.device)
+    if getattr(args, "show", False):
+        common.pin_threads(args.threads)  # the thread count is part of the machine's fingerprint
+        print(calibrate.show(device))
+        return 0
     out = _files.writable_folder(args.out)  # checked before the work, so no result is lost at the end
     common.pin_threads(args.threads)
-    names = [args.suite] if args.suite != "all" else [n for n in SUITES if n not in GPU_ONLY or device.type == "cuda"]
+    names = [args.suite] if args.suite != "all" else [n for n in SUITES if n not in NOT_IN_ALL
+                                                      and (n not in GPU_ONLY or device.type == "cuda")]
     for name in names:
         suite = SUITES[name]
         settings = _settings(name, args)
@@ -151,5 +159,17 @@ def _triton_flags(p: argparse.ArgumentParser) -> None:
                    help="benchmark dtypes (default bf16 fp16)")
 
 
+def _calibrate_flags(p: argparse.ArgumentParser) -> None:
+    full, quick = calibrate.FULL, calibrate.QUICK
+    p.add_argument("--masks", nargs="+", choices=masks.MASKS, default=None,
+                   help="masks and score rules to time (default: all of bench masks)")
+    p.add_argument("--lengths", type=int, nargs="+", default=None,
+                   help=f"sequence lengths T = S (default {full.lengths}, --quick {quick.lengths})")
+    p.add_argument("--dtypes", "--dtype", nargs="+", choices=tuple(common.DTYPES), default=None,
+                   help="dtypes (default: float32, and bfloat16 where the hardware supports it)")
+    p.add_argument("--show", action="store_true", help="say what auto follows on this machine; time nothing")
+
+
 SUITE_FLAGS = {"attention": _attention_flags, "decode": _decode_flags, "train": _train_flags,
-               "masks": _masks_flags, "context-parallel": _context_parallel_flags, "triton": _triton_flags}
+               "masks": _masks_flags, "context-parallel": _context_parallel_flags, "triton": _triton_flags,
+               "calibrate": _calibrate_flags}
