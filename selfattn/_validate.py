@@ -33,6 +33,13 @@ def positive_ints(**values) -> None:
         positive_int(name, value)
 
 
+def flag(name: str, value) -> bool:
+    """A switch: True or False only (None, 0, "" or "no" would each be taken for one of them)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {type(value).__name__} {value!r}")
+    return value
+
+
 def count(name: str, value) -> int:
     """A number of things that may be zero: TypeError when not an int, ValueError when < 0."""
     if not isinstance(value, int) or isinstance(value, bool):
@@ -122,7 +129,8 @@ def prefix_len(value, B: int, S: int, causal: bool, window, device) -> Tensor | 
 
 
 def per_head(name: str, t, H: int, device) -> Tensor | None:
-    """A floating-point ``(H,)`` tensor, one value per query head (ALiBi slopes, sink logits)."""
+    """A floating-point ``(H,)`` tensor of finite values, one per query head (ALiBi slopes, sink
+    logits): a NaN or infinite slope or sink would make every output NaN."""
     if t is None:
         return None
     if not isinstance(t, Tensor) or not t.is_floating_point():
@@ -130,6 +138,9 @@ def per_head(name: str, t, H: int, device) -> Tensor | None:
                         f"{t.dtype if isinstance(t, Tensor) else type(t).__name__}")
     if t.shape != (H,):
         raise ValueError(f"{name} must have shape (H={H},), one value per query head, got {tuple(t.shape)}")
+    if not torch.compiler.is_compiling() and not torch.isfinite(t).all():  # (a compiled graph would break here)
+        head = int(torch.nonzero(~torch.isfinite(t))[0, 0])
+        raise ValueError(f"{name} must be finite, got {t[head].item()} for head {head}")
     return t.to(device)
 
 

@@ -22,7 +22,7 @@ from selfattn import _validate, backends
 from selfattn.kv_cache import KVCache, RollingKVCache
 from selfattn.masks import Mask
 from selfattn.rope import apply_rope, rope_angles
-from selfattn.scores import Scores, alibi_slopes
+from selfattn.scores import Scores, alibi_slopes, check_score_mod
 
 if TYPE_CHECKING:  # the core never imports the distributed layer; a shard is handed in
     from selfattn.distributed import SequenceShard
@@ -48,8 +48,9 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = True, window: i
     """
     _validate.qkv(q, k, v)
     B, H, T, S = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
+    causal = _validate.flag("causal", causal)
     window = _validate.window(window, causal)
-    mask = Mask(causal=bool(causal), window=window,
+    mask = Mask(causal=causal, window=window,
                 key_padding_mask=_validate.per_key("key_padding_mask", key_padding_mask, B, S, bool, q.device),
                 doc_ids=_validate.per_key("doc_ids", doc_ids, B, S, int, q.device),
                 sink_tokens=_validate.sink_tokens(sink_tokens, window),
@@ -60,6 +61,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = True, window: i
                     softcap=None if softcap is None else _validate.positive_number("softcap", softcap),
                     score_mod=_validate.function("score_mod", score_mod),
                     sinks=_validate.per_head("sinks", sinks, H, q.device))
+    if score_mod is not None:
+        check_score_mod(score_mod, q.dtype, q.device)
     dropout_p = _validate.probability("dropout_p", dropout_p)
     scale = q.shape[-1] ** -0.5 if scale is None else _validate.positive_number("scale", scale)
     name = backends.resolve(backend, q=q, k=k, v=v, mask=mask, dropout_p=dropout_p, return_weights=return_weights,

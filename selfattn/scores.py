@@ -8,7 +8,8 @@ In order, each off unless given:
 3. ``score_mod(score, b, h, q_idx, kv_idx) -> score``: a function of the user's (FlexAttention's
    signature), called on broadcasting index tensors; ``q_idx`` is the query's position in key
    coordinates (``S - T + i``), unlike FlexAttention's 0..T-1, so ``q_idx - kv_idx`` is the distance
-   with or without a cache;
+   with or without a cache. Scores are float32 for half-precision inputs, else in the inputs'
+   dtype, and ``score_mod`` returns a tensor of the same dtype (:func:`check_score_mod`);
 
 then the mask (:mod:`selfattn.masks`) hides pairs with ``-inf``, and the softmax runs over the
 visible keys plus, with learned sinks (gpt-oss), one logit ``sinks[h]`` per head that joins every
@@ -22,6 +23,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+
+from selfattn import _validate
 
 
 @dataclass(frozen=True, eq=False)
@@ -66,10 +69,31 @@ class Scores:
         return isinstance(out, Tensor) and out.requires_grad
 
 
+def check_score_mod(score_mod: Callable, dtype: torch.dtype, device) -> None:
+    """Call ``score_mod`` once on a one-element score for inputs of ``dtype``, before any backend
+    runs it, and refuse what it returns unless it is a tensor of the score's dtype and shape: one
+    error, the same on every backend (tiled would cast a bool or float64 result silently, the
+    others fail deep inside torch, and flex traces the function)."""
+    wanted = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype  # what backends score in
+    score = torch.zeros(1, 1, 1, 1, dtype=wanted, device=device)
+    index = torch.zeros(1, 1, 1, 1, dtype=torch.long, device=device)
+    with torch.no_grad():
+        out = score_mod(score, index, index, index, index)
+    if not isinstance(out, Tensor):
+        raise TypeError(f"score_mod must return a tensor, the modified score, got {type(out).__name__}")
+    if out.dtype != wanted:
+        why = f" (the scores of {dtype} inputs)" if wanted != dtype else ""
+        raise TypeError(f"score_mod must return a tensor of its score's dtype {wanted}{why}, got {out.dtype}")
+    if out.shape != score.shape:
+        raise ValueError(f"score_mod must return a tensor shaped like its score: it turned a score of shape "
+                         f"{tuple(score.shape)} into {tuple(out.shape)}")
+
+
 def alibi_slopes(n_head: int) -> Tensor:
     """ALiBi's slopes (Press et al., 2022): a geometric sequence from ``2^(-8/n)`` for n heads;
     for n not a power of two, the slopes of the closest smaller power of two, then every other
     slope of twice that many heads. ``(n_head,)`` float32."""
+    _validate.positive_int("n_head", n_head)
     def power_of_two(n: int) -> list[float]:
         start = 2 ** (-8 / n)
         return [start ** (i + 1) for i in range(n)]

@@ -121,11 +121,12 @@ class _Request:
         if layout == "zigzag" and T % 2:
             raise ValueError(f"layout 'zigzag' holds two equal chunks per rank, so a shard needs an even length, got "
                              f"{T} (shard_sequence pads the sequence to a multiple of 2 x {world} ranks)")
+        causal = _validate.flag("causal", causal)
         window = _validate.window(window, causal)
         scale = D ** -0.5 if scale is None else _validate.positive_number("scale", scale)
         for name, t, kind in (("key_padding_mask", key_padding_mask, bool), ("doc_ids", doc_ids, int)):
             _validate.per_key(name, t, B, T, kind, q.device)
-        return _Request(B, H, k.shape[1], T, D, str(q.dtype), q.device.type, bool(causal), window, float(scale),
+        return _Request(B, H, k.shape[1], T, D, str(q.dtype), q.device.type, causal, window, float(scale),
                         layout, key_padding_mask is not None, doc_ids is not None, block_kernel(backend, q, k, v))
 
 

@@ -260,3 +260,80 @@ def test_bad_programmable_input_is_named(kwargs, error, words):
     with pytest.raises(error) as info:
         attention(_q, _q, _q, backend="math", **kwargs)
     assert all(w in str(info.value) for w in words), str(info.value)
+
+
+@pytest.mark.parametrize("causal", [None, 0, 1, "", "no", [], torch.tensor(True)],
+                         ids=["None", "0", "1", "empty-str", "no", "empty-list", "tensor"])
+def test_causal_is_a_bool_and_nothing_else(causal):
+    from selfattn.distributed.ring import _Request
+
+    with pytest.raises(TypeError, match=rf"causal must be True or False, got {type(causal).__name__} "):
+        attention(_q, _q, _q, causal=causal)
+    with pytest.raises(TypeError, match="causal must be True or False"):  # ring attention checks it the same way
+        _Request.check(_q, _q, _q, causal, None, None, None, None, "contiguous", "tiled", 1)
+
+
+def test_causal_true_and_false_are_the_two_attentions():  # control: the bools still choose
+    dense = torch.ones(5, 5, dtype=torch.bool)
+    for causal, visible in ((True, dense.tril()), (False, dense)):
+        want = torch.softmax((_q @ _q.transpose(-2, -1) * 8 ** -0.5).masked_fill(~visible, float("-inf")), -1) @ _q
+        torch.testing.assert_close(attention(_q, _q, _q, causal=causal, backend="math"), want)
+
+
+BACKENDS_WITH_SCORE_MOD = ["math", "tiled", "auto"] + (["flex"] if flex.available(torch.device("cpu")) is None else [])
+WRONG_RESULTS = {"bool": lambda s, b, h, q, k: s > 0, "float64": lambda s, b, h, q, k: s.double(),
+                 "float16": lambda s, b, h, q, k: s.half(), "int64": lambda s, b, h, q, k: s.long(),
+                 "int32": lambda s, b, h, q, k: (q - k).int()}
+
+
+@pytest.mark.parametrize("backend", BACKENDS_WITH_SCORE_MOD)
+@pytest.mark.parametrize("result", WRONG_RESULTS)
+def test_a_score_mod_returning_another_dtype_is_one_type_error_on_every_backend(backend, result):
+    q = torch.randn(2, 4, 9, 8)
+    with pytest.raises(TypeError) as e:
+        attention(q, q, q, score_mod=WRONG_RESULTS[result], backend=backend)
+    assert str(e.value) == f"score_mod must return a tensor of its score's dtype torch.float32, got torch.{result}"
+
+
+@pytest.mark.parametrize("backend", BACKENDS_WITH_SCORE_MOD)
+def test_a_score_mod_returning_its_scores_dtype_runs_on_every_backend(backend):  # control of the check above
+    q = torch.randn(2, 4, 9, 8)
+
+    def distance(s, b, h, q_idx, kv_idx):
+        return s - 0.1 * (q_idx - kv_idx)  # int64 indices, float32 score: float32
+    torch.testing.assert_close(attention(q, q, q, score_mod=distance, backend=backend),
+                               attention(q, q, q, score_mod=distance, backend="math"), rtol=1e-5, atol=1e-5)
+    half = q.bfloat16()  # half-precision inputs are scored in float32, and score_mod returns float32
+    assert attention(half, half, half, score_mod=distance, backend="math").dtype == torch.bfloat16
+    with pytest.raises(TypeError, match=r"dtype torch.float32 \(the scores of torch.bfloat16 inputs\), got "
+                                        r"torch.bfloat16"):
+        attention(half, half, half, score_mod=lambda s, b, h, q_idx, kv_idx: s.bfloat16(), backend="math")
+    with pytest.raises(TypeError, match="score_mod must return a tensor, the modified score, got float"):
+        attention(q, q, q, score_mod=lambda s, b, h, q_idx, kv_idx: 0.0, backend=backend)
+
+
+@pytest.mark.parametrize("n_head, error, message", [(0, ValueError, "n_head must be a positive int, got 0"),
+                                                    (-2, ValueError, "n_head must be a positive int, got -2"),
+                                                    (3.5, TypeError, "n_head must be an int, got float 3.5"),
+                                                    (True, TypeError, "n_head must be an int, got bool True")])
+def test_alibi_slopes_of_a_head_count_that_is_none_is_named(n_head, error, message):
+    with pytest.raises(error) as e:
+        alibi_slopes(n_head)
+    assert str(e.value) == message
+    assert alibi_slopes(6).shape == (6,) and torch.isfinite(alibi_slopes(6)).all()  # control
+
+
+NAN, INF = float("nan"), float("inf")
+
+
+@pytest.mark.parametrize("name, values, shown", [("sinks", [0.0, NAN, 1.0, 0.0], "nan for head 1"),
+                                                 ("sinks", [INF, 0.0, 0.0, 0.0], "inf for head 0"),
+                                                 ("sinks", [0.0, 0.0, 0.0, -INF], "-inf for head 3"),
+                                                 ("alibi_slopes", [0.5, 0.25, NAN, 0.1], "nan for head 2"),
+                                                 ("alibi_slopes", [0.5, INF, 0.2, 0.1], "inf for head 1")])
+def test_a_nan_or_infinite_slope_or_sink_is_named(name, values, shown):
+    with pytest.raises(ValueError) as e:
+        attention(_q, _q, _q, **{name: torch.tensor(values)})
+    assert str(e.value) == f"{name} must be finite, got {shown}"
+    finite = torch.tensor([v if v == v and abs(v) != INF else 30.0 for v in values])  # control: finite values run
+    assert torch.isfinite(attention(_q, _q, _q, **{name: finite})).all()
