@@ -7,7 +7,9 @@ import time
 import pytest
 import torch
 
+from selfattn import Mask
 from selfattn.attention import attention
+from selfattn.backends import tuning
 from selfattn.bench import common, masks
 from selfattn.cli import main as cli_main
 
@@ -52,7 +54,7 @@ def test_small_run_times_every_implementation_and_reports_auto_against_the_faste
         assert len({r["auto_choice"] for r in rows}) == 1
         assert all("check_err" in r for r in rows if r["impl"] != "tiled")  # each checked against tiled
     text = masks.report(result)
-    assert "auto chose" in text and "targets" in text
+    assert "auto chose" in text and "targets" in text and "auto followed its rule" in text
     assert masks.plot(result, tmp_path / "masks.png").stat().st_size > 10_000
     json.dumps(result)  # what the CLI writes
 
@@ -64,6 +66,27 @@ def test_cli_quick_flags_reach_the_settings(tmp_path, capsys):
     assert result["settings"]["cells"] == [["causal", 256]] and result["settings"]["impls"] == ["auto", "sdpa", "tiled"]
     assert {r["auto_choice"] for r in result["results"]} == {"sdpa"}  # plain causal (rule 2)
     assert "wrote" in capsys.readouterr().out
+
+
+def test_a_calibrated_auto_is_run_and_marked_as_such(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("SELFATTN_CACHE_DIR", str(tmp_path / "cache"))
+    tuning.forget()
+    try:
+        threads = str(torch.get_num_threads())
+        q = torch.randn(1, 8, 256, 64)
+        tuning.record(CPU, [{"key": tuning.key(q, Mask(), None, 256, False), "T": 256, "S": 256, "window": None,
+                             "times_s": {"tiled": 1.0, "sdpa": 2.0}, "best": "tiled"}])  # the rule says sdpa
+        assert cli_main(["bench", "masks", "--threads", threads, "--out", str(tmp_path), "--cells", "causal:256",
+                         "--impls", "auto", "sdpa", "tiled", "--reps", "1", "--dtypes", "float32"]) == 0
+        result = json.loads((tmp_path / "masks.json").read_text())
+        fwd = [r for r in result["results"] if r["mode"] == "fwd"]
+        assert {(r["auto_choice"], r["auto_measured"]) for r in fwd} == {("tiled", True)}
+        bwd = [r for r in result["results"] if r["mode"] == "fwd+bwd"]
+        assert {(r["auto_choice"], r["auto_measured"]) for r in bwd} == {("sdpa", False)}  # not calibrated: the rule
+        out = capsys.readouterr().out
+        assert "tiled*" in out and "* chosen by this machine's calibration (1 kinds" in out
+    finally:
+        tuning.forget()
 
 
 def test_a_wrong_implementation_fails_the_gate_and_nothing_is_timed(monkeypatch):
@@ -101,27 +124,32 @@ def test_contenders_are_repeated_the_rest_are_not():
     assert masks._rounds({}, s) == []
 
 
-def test_a_compiling_implementation_is_judged_by_its_call_after_compiling():
+def test_every_implementation_is_judged_by_its_call_after_the_first():
     q, k, v, dout = masks._inputs(1, 2, 128, 16, CPU, torch.float32)
 
-    def compiles_then_fast():
+    def slow_first(first_s, then_s=0.0):
         calls = []
 
         def fn(q, k, v):
-            if not calls:
-                time.sleep(0.3)  # the first call compiles
+            time.sleep(first_s if not calls else then_s)  # the first call compiles, or pays a one-time cost
             calls.append(1)
             return attention(q, k, v, backend="tiled")
         return fn
-    fns = {"tiled": lambda q, k, v: attention(q, k, v, backend="tiled"), "flex": compiles_then_fast(),
-           "sdpa": compiles_then_fast()}  # sdpa's first call is slow too, but sdpa does not compile
+    fns = {"tiled": lambda q, k, v: attention(q, k, v, backend="tiled"), "flex": slow_first(0.3),
+           "sdpa": slow_first(0.3), "math": slow_first(0.3, 0.3)}  # math: slow on every call
     live = {n: {} for n in fns}
     settings = masks.Settings(max_call_s=0.2)
     kept = masks._checked_first_calls(fns, live, q, k, v, dout, "fwd", {}, 1, 128, CPU, torch.float32, settings,
                                       {"flex"})
-    assert kept == ["tiled", "flex"]
-    assert live["flex"]["first_s"] >= 0.3 > 0.2 >= live["flex"]["warm_s"]
-    assert live["sdpa"]["status"] == "too slow" and live["sdpa"]["reason"].startswith("first call")
+    assert kept == ["tiled", "flex", "sdpa"]
+    for name in ("flex", "sdpa"):
+        assert live[name]["first_s"] >= 0.3 > 0.2 >= live[name]["warm_s"]
+    assert live["math"]["status"] == "too slow" and live["math"]["reason"].startswith("a call after the first")
+    slow = {"math": slow_first(0.3, 0.0)}  # a first call above slow_s is not repeated: judged by it
+    live = {"math": {}}
+    masks._checked_first_calls(slow, live, q, k, v, dout, "fwd", {}, 1, 128, CPU, torch.float32,
+                               masks.Settings(max_call_s=0.2, slow_s=0.1), set())
+    assert live["math"]["warm_s"] == live["math"]["first_s"] >= 0.3 and live["math"]["status"] == "too slow"
 
 
 def _synthetic(times: dict, choice: str = "tiled") -> dict:
@@ -160,7 +188,17 @@ def test_targets_pass_and_miss_on_the_measured_numbers():
     wrong = _synthetic({("auto", *cell): 1.0, ("tiled", *cell): 1.0, ("flex", *cell): 0.8})  # a wrong choice
     assert "every other implementation: worst 1.25x" in masks.targets(wrong)[0]["measured"]
 
-    bf16 = _synthetic({("sdpa", "causal", 4096, "fwd", "bfloat16"): 3.0,
-                       ("tiled", "causal", 4096, "fwd", "bfloat16"): 1.0})
-    assert masks.targets(bf16)[-1]["status"] == "PASS"
-    assert [t["status"] for t in masks.targets({"results": []})] == ["n/a"] * 7
+    bf16 = {("sdpa", "causal", 4096, "fwd", "bfloat16"): 1.6, ("auto", "causal", 4096, "fwd", "bfloat16"): 1.0,
+            ("auto", "causal", 4096, "fwd", "float32"): 1.2}
+    by = {t["target"].split(":")[0]: t for t in masks.targets(_synthetic(bf16) | {"native_bf16": True})}
+    native = by["bfloat16 on a CPU with native bf16 matmuls"]
+    never_slower = by["bfloat16 never slower than float32 (auto, cell by cell)"]
+    assert (native["status"], native["measured"]) == ("PASS", "1.60x causal fwd")
+    assert (never_slower["status"], never_slower["measured"]) == ("PASS", "worst 0.83x (causal 4096 fwd)")
+    slow = bf16 | {("sdpa", "causal", 4096, "fwd", "bfloat16"): 1.4, ("auto", "causal", 4096, "fwd", "float32"): 0.9}
+    by = {t["target"].split(":")[0]: t for t in masks.targets(_synthetic(slow) | {"native_bf16": True})}
+    assert by["bfloat16 on a CPU with native bf16 matmuls"]["status"] == "MISS"
+    assert by["bfloat16 never slower than float32 (auto, cell by cell)"]["status"] == "MISS"
+    emulated = {t["target"].split(":")[0]: t for t in masks.targets(_synthetic(bf16) | {"native_bf16": False})}
+    assert emulated["bfloat16 on a CPU with native bf16 matmuls"]["measured"].startswith("not measured: this CPU")
+    assert [t["status"] for t in masks.targets({"results": []})] == ["n/a"] * 8
