@@ -30,6 +30,8 @@ class DiskFull(OSError):
 def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     """``with atomic_path(p) as tmp: write(tmp)``: ``p`` becomes what was written to ``tmp``."""
     path = Path(path)
+    if path.is_dir():  # else the rename would fail naming the temporary, not the file asked for
+        raise IsADirectoryError(f"{path} is a folder, not a file: name the file to write")
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         yield tmp

@@ -9,7 +9,8 @@ Content-Security-Policy forbids every fetch. It shows
   a layer (one colour per head); hovering a key shows who attends to it;
 - model view: every layer x head as a small T x T map; a click opens it in the head view;
 - head roles: the six scores of :func:`~selfattn.analysis.heads.head_scores` per head in a
-  sortable table, the top heads per role marked; a row opens its head;
+  sortable table, the top heads per role marked, a score the input leaves undefined as n/a
+  (induction on "hello", whose only repeat is adjacent); a row opens its head;
 - predictions: at every position the model's top-5 next tokens with their probabilities,
   and the loss of the actual next token.
 
@@ -33,7 +34,7 @@ import torch
 from torch import Tensor
 
 from selfattn import _files
-from selfattn.analysis.heads import capture, head_scores, rank_heads
+from selfattn.analysis.heads import UNDEFINED, capture, head_scores, rank_heads
 from selfattn.model import GPT
 
 QUANT_ERROR = 1 / 510  # the largest |drawn weight - captured weight| the 8-bit codes allow
@@ -79,7 +80,9 @@ def explore(model: GPT, tokens, path: str | os.PathLike, *, tokenizer=None, titl
         "vocab": {str(t): _token_info(tokenizer, t) for t in sorted(set(idx.tolist()) | shown)},
         "weights": _pack(codes), "alphabet": ALPHABET,
         "quant": {"bits": 8, "bound": QUANT_ERROR, "measured": max_error},
-        "scores": {name: s.tolist() for name, s in scores.items()},
+        "scores": {name: [[None if v != v else v for v in row] for row in s.tolist()]  # NaN (undefined): null
+                   for name, s in scores.items()},
+        "undefined": {name: UNDEFINED[name] for name, s in scores.items() if s.isnan().all()},
         "top": {role: [[l, h] for l, h, _ in top] for role, top in rank_heads(scores, TOP_HEADS)},
         "predictions": predictions,
     })

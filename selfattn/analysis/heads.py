@@ -24,7 +24,9 @@ entropy                       -sum_j w[i, j] * ln w[i, j], in nats (uniform over
 Duplicate-token and induction average only over the queries that have at least one such
 key (a query whose token is new has nothing to attend to). On a sequence of L distinct
 random tokens repeated twice, the induction score is the mean of ``w[i, i-L+1]`` over the
-second copy.
+second copy. A sequence without such a query leaves the score undefined: the function raises,
+and :func:`head_scores` gives NaN ("hello" has a duplicate token, the adjacent "ll", but no
+induction target, which needs a token between the two copies).
 """
 from __future__ import annotations
 
@@ -39,6 +41,8 @@ from selfattn._validate import positive_ints
 from selfattn.attention import SelfAttention
 
 ROLES = ("previous-token", "induction", "duplicate-token", "first-token")
+UNDEFINED = {"induction": "no token recurs with another token between its two copies",  # score -> when it is NaN
+             "duplicate-token": "no token occurs twice"}
 
 
 def attention_layers(model: nn.Module) -> list[SelfAttention]:
@@ -174,7 +178,7 @@ def duplicate_token_score(att: Tensor, tokens: Tensor) -> Tensor:
     """Weight on the earlier copies of the current token, ``sum_j w[i, j]`` over
     ``j < i, tok[j] == tok[i]``, averaged over the queries that have one. ``(L, H)``."""
     att = _check_att(att)
-    return _masked_mass(att, _earlier_copies(tokens, att))
+    return _masked_mass(att, _earlier_copies(tokens, att), "duplicate-token")
 
 
 def induction_score(att: Tensor, tokens: Tensor) -> Tensor:
@@ -182,35 +186,33 @@ def induction_score(att: Tensor, tokens: Tensor) -> Tensor:
     ``sum_j w[i, j+1]`` over ``j + 1 < i, tok[j] == tok[i]``, averaged over the queries that
     have one. ``(L, H)``."""
     att = _check_att(att)
-    copies = _earlier_copies(tokens, att)  # (B, T, T): [b, i, j] = j < i and tok[j] == tok[i]
-    after = torch.zeros_like(copies)
-    after[:, :, 1:] = copies[:, :, :-1]  # (B, T, T): [b, i, j+1] = copies[b, i, j]
-    T = att.shape[-1]
-    after &= torch.ones(T, T, dtype=torch.bool, device=att.device).tril(-1)  # j + 1 < i
-    return _masked_mass(att, after)
+    return _masked_mass(att, _induction_targets(tokens, att), "induction")
 
 
 def head_scores(att: Tensor, tokens: Tensor | None) -> dict[str, Tensor]:
     """Every score of this module, name -> ``(L, H)``: the roles of :data:`ROLES`, then
     ``mean-distance`` and ``entropy``. With ``tokens=None`` the two scores that need the
-    tokens (induction, duplicate-token) are left out."""
+    tokens (induction, duplicate-token) are left out; one that ``tokens`` leave undefined (no
+    query has a target) is NaN."""
     scores = {"previous-token": previous_token_score(att)}
     if tokens is not None:
-        scores |= {"induction": induction_score(att, tokens), "duplicate-token": duplicate_token_score(att, tokens)}
+        att = _check_att(att)
+        scores |= {name: _masked_mass(att, targets(tokens, att), name, undefined=float("nan")) for name, targets in
+                   (("induction", _induction_targets), ("duplicate-token", _earlier_copies))}
     return scores | {"first-token": first_token_score(att), "mean-distance": mean_attention_distance(att),
                      "entropy": attention_entropy(att)}
 
 
 def rank_heads(scores: dict[str, Tensor], top: int = 3) -> list[tuple[str, list[tuple[int, int, float]]]]:
     """For each role in :data:`ROLES` present in ``scores``, its ``top`` heads, best first,
-    as ``(layer, head, score)``."""
+    as ``(layer, head, score)``; none for a role that is undefined (NaN)."""
     ranked = []
     for role in ROLES:
         if role in scores:
-            s = scores[role]  # (L, H)
+            s = scores[role].nan_to_num(nan=float("-inf"))  # (L, H)
             order = s.flatten().argsort(descending=True, stable=True)[:top]
             ranked.append((role, [(int(k) // s.shape[1], int(k) % s.shape[1], float(s.flatten()[k]))
-                                  for k in order]))
+                                  for k in order if not scores[role].flatten()[k].isnan()]))
     return ranked
 
 
@@ -278,11 +280,23 @@ def _earlier_copies(tokens: Tensor, att: Tensor) -> Tensor:
     return same & torch.ones(T, T, dtype=torch.bool, device=att.device).tril(-1)  # j < i
 
 
-def _masked_mass(att: Tensor, targets: Tensor) -> Tensor:
-    """Mean over the (b, i) rows with any target of the weight on the targets ``(B, T, T)``. (L, H)."""
+def _induction_targets(tokens: Tensor, att: Tensor) -> Tensor:
+    """(B, T, T): [b, i, j+1] = tok[j] == tok[i] and j + 1 < i, the key after an earlier copy."""
+    copies = _earlier_copies(tokens, att)  # (B, T, T): [b, i, j] = j < i and tok[j] == tok[i]
+    after = torch.zeros_like(copies)
+    after[:, :, 1:] = copies[:, :, :-1]  # (B, T, T): [b, i, j+1] = copies[b, i, j]
+    T = att.shape[-1]
+    return after & torch.ones(T, T, dtype=torch.bool, device=att.device).tril(-1)  # j + 1 < i
+
+
+def _masked_mass(att: Tensor, targets: Tensor, name: str, undefined: float | None = None) -> Tensor:
+    """Mean over the (b, i) rows with any target of the weight on the targets ``(B, T, T)``. (L, H).
+    Without any such row the score ``name`` is undefined: ``undefined`` everywhere, or a ValueError."""
     rows = targets.any(-1)  # (B, T)
     if not rows.any():
-        raise ValueError("no token occurs twice in `tokens`, so this score is undefined; "
-                         "use a sequence with repeats, e.g. repeated_tokens()")
+        if undefined is not None:
+            return att.new_full((att.shape[0], att.shape[2]), undefined)
+        raise ValueError(f"{UNDEFINED[name]} in `tokens`, so the {name} score is undefined; "
+                         f"use a sequence with repeats, e.g. repeated_tokens()")
     mass = (att * targets[None, :, None]).sum(-1)  # (L, B, H, T)
     return (mass * rows[None, :, None]).sum(dim=(1, 3)) / rows.sum()

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from selfattn import _files
 from selfattn.analysis.explore import QUANT_ERROR, explore
 from selfattn.analysis.heads import repeated_tokens
 from selfattn.loading import load
@@ -32,18 +33,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    out = Path(args.out)
+    if out.is_dir():
+        raise ValueError(f"--out {args.out!r} is a folder: name the page to write, e.g. --out {out / 'explore.html'}")
+    _files.writable_folder(out.parent)  # checked before the work
+    if args.text is None and args.repeat <= 0:
+        raise ValueError(f"--repeat must be positive, got {args.repeat}")
     loaded = load(args.ckpt)
     model, tokenizer = loaded.model, loaded.tokenizer
     if args.text is None:
-        if args.repeat <= 0:
-            raise ValueError(f"--repeat must be positive, got {args.repeat}")
+        check_repeat("--repeat", args.repeat, model.config)
         tokens = repeated_tokens(model.config.vocab_size, args.repeat,
                                  generator=torch.Generator().manual_seed(args.seed))[0]  # (2·repeat,)
         what = f"{args.repeat} random tokens, repeated (T={tokens.shape[0]})"
     else:
         tokens = torch.tensor(tokenizer.encode(args.text), dtype=torch.long)  # (T,)
         what = f"--text, {tokens.shape[0]} tokens"
-    out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     page = explore(model, tokens, out, tokenizer=tokenizer, title=f"{Path(args.ckpt).name}: {what}")
     cfg = model.config
@@ -53,3 +58,13 @@ def main(args: argparse.Namespace) -> int:
           f"(bound 1/510 = {QUANT_ERROR:.5f})")
     print(f"  open it in a browser: {out.absolute().as_uri()}")
     return 0
+
+
+def check_repeat(flag: str, n: int, config) -> None:
+    """``n`` distinct random tokens shown twice must fit the model: 2n positions, n tokens of its vocabulary."""
+    if 2 * n > config.block_size:
+        raise ValueError(f"{flag} {n} shows {2 * n} tokens, more than the model's block_size={config.block_size}; "
+                         f"pass {flag} {config.block_size // 2} or less")
+    if n > config.vocab_size:
+        raise ValueError(f"{flag} {n} needs {n} distinct tokens, more than the model's vocabulary of "
+                         f"{config.vocab_size}; pass {flag} {config.vocab_size} or less")

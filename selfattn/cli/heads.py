@@ -18,6 +18,7 @@ import torch
 from selfattn import _files
 from selfattn.analysis.heads import (
     ROLES,
+    UNDEFINED,
     attention_layers,
     attention_maps,
     head_scores,
@@ -25,6 +26,7 @@ from selfattn.analysis.heads import (
     rank_heads,
     repeated_tokens,
 )
+from selfattn.cli.explore import check_repeat
 from selfattn.loading import load
 
 LABELS_UP_TO = 32  # token labels on the plot axes for sequences up to this long
@@ -52,6 +54,9 @@ def main(args: argparse.Namespace) -> int:
     if args.top <= 0:
         raise ValueError(f"--top must be positive, got {args.top}")
     if args.text is None:
+        if args.length <= 0:
+            raise ValueError(f"--length must be positive, got {args.length}")
+        check_repeat("--length", args.length, model.config)
         g = torch.Generator().manual_seed(args.seed)
         tokens = repeated_tokens(model.config.vocab_size, args.length, generator=g)  # (1, 2·length)
         what = f"{args.length} random tokens, repeated (T={tokens.shape[1]})"
@@ -75,7 +80,8 @@ def main(args: argparse.Namespace) -> int:
                         title=f"{Path(args.ckpt).name}: {what}")
     _files.write_text(out / "scores.json", json.dumps({
         "ckpt": str(args.ckpt), "input": what, "tokens": tokens[0].tolist(), "layers": layers,
-        "scores": {name: s.tolist() for name, s in scores.items()},
+        "scores": {name: [[None if v != v else v for v in row] for row in s.tolist()]  # NaN (undefined): null
+                   for name, s in scores.items()},
         "ranking": {role: [{"layer": layers[l], "head": h, "score": v} for l, h, v in top]
                     for role, top in rank_heads(scores, args.top)}}, indent=1))
 
@@ -83,15 +89,19 @@ def main(args: argparse.Namespace) -> int:
     print(f"selfattn heads: {args.ckpt}: {n_layer} layers x {H} heads; input: {what}")
     if not repeats:
         print("  no token occurs twice in the input, so duplicate-token and induction scores are left out")
+    for name in [n for n, s in scores.items() if s.isnan().all()]:
+        print(f"  {name}: n/a, undefined on this input: {UNDEFINED[name]}")
     print("\n" + ("  " + "role".ljust(18) + "".join(f"#{i + 1}".ljust(14) for i in range(args.top))).rstrip())
     for role, top in rank_heads(scores, args.top):
-        print(("  " + role.ljust(18) + "".join(f"L{layers[l]}H{h} {v:.3f}".ljust(14) for l, h, v in top)).rstrip())
+        print(("  " + role.ljust(18) + ("".join(f"L{layers[l]}H{h} {v:.3f}".ljust(14) for l, h, v in top)
+                                        or "n/a")).rstrip())
     if len(layers) * H <= TABLE_UP_TO:
         names = [n for n in (*ROLES, "mean-distance", "entropy") if n in scores]
         print("\n" + ("  head   " + "".join(n.ljust(16) for n in names)).rstrip())
         for i, layer in enumerate(layers):
             for h in range(H):
-                cells = "".join(f"{scores[n][i, h]:.3f}".ljust(16) for n in names)
+                cells = "".join(("n/a" if scores[n][i, h].isnan() else f"{scores[n][i, h]:.3f}").ljust(16)
+                                for n in names)
                 print((f"  L{layer}H{h}".ljust(9) + cells).rstrip())
     print(f"\n  mean-distance in positions, entropy in nats; wrote {out / 'attention.png'}, {out / 'scores.json'}")
     return 0

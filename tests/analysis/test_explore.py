@@ -142,6 +142,45 @@ def test_explore_checks_its_arguments(tmp_path):
     assert not (tmp_path / "p.html").exists()
 
 
+def test_a_folder_as_the_page_is_named_not_its_temporary(tmp_path):
+    model = GPT(GPTConfig(vocab_size=16, block_size=8, n_layer=1, n_head=1, n_embd=8))
+    with pytest.raises(IsADirectoryError) as e:
+        explore(model, [1, 2, 1], tmp_path)
+    assert str(e.value) == f"{tmp_path} is a folder, not a file: name the file to write" and ".tmp-" not in str(e.value)
+    assert list(tmp_path.iterdir()) == []  # no temporary left behind
+    assert explore(model, [1, 2, 1], tmp_path / "p.html").path.is_file()  # control: a file name is written
+
+
+HELLO = "hello"  # one repeat, adjacent: duplicate-token is defined, induction is not
+
+
+@pytest.fixture(scope="module")
+def hello_page(tmp_path_factory):
+    torch.manual_seed(0)
+    model = scrambled(GPTConfig(vocab_size=256, block_size=64, n_layer=2, n_head=2, n_embd=16))
+    path = tmp_path_factory.mktemp("hello") / "hello.html"
+    explore(model, ByteTokenizer().encode(HELLO), path, tokenizer=ByteTokenizer())
+    return path
+
+
+def test_a_text_whose_only_repeat_is_adjacent_writes_the_page_with_induction_undefined(hello_page):
+    data = page_data(hello_page)
+    assert data["scores"]["induction"] == [[None, None], [None, None]] and data["top"]["induction"] == []
+    assert all(v is not None for row in data["scores"]["duplicate-token"] for v in row)
+    assert data["undefined"] == {"induction": "no token recurs with another token between its two copies"}
+
+
+def test_the_roles_table_shows_an_undefined_score_as_n_a(browser, hello_page):
+    page = browser.open(hello_page)
+    cells = page.evaluate(js_list("#roles-table td[data-score=induction]", "e.textContent"))
+    assert cells == ["n/a"] * 4
+    assert "n/a" not in page.evaluate(js_list("#roles-table td[data-score=duplicate-token]", "e.textContent"))
+    assert "induction: n/a, undefined on this input" in page.text_content("#roles-legend")
+    page.click("#roles-table th[data-score='induction'] button")  # sorting an all-n/a column keeps the head order
+    assert page.evaluate(js_list("#roles-table tbody tr", "e.dataset.layer + e.dataset.head")) == \
+        ["00", "01", "10", "11"]
+
+
 # ---- the page in Chromium --------------------------------------------------------------
 
 def test_selecting_a_query_highlights_exactly_its_nonzero_keys(page, shown):
@@ -342,3 +381,16 @@ def test_explore_command_on_a_run_and_on_a_gpt2_folder(tmp_path, capsys, monkeyp
     with pytest.raises(SystemExit):
         cli(["explore", "--ckpt", str(folder), "--text", "a", "--repeat", "3"])
     assert "not allowed with argument" in capsys.readouterr().err
+
+    run = str(tmp_path / "run")
+    for given in (["--text", "hello"], ["--repeat", "1"]):  # their only repeats are adjacent
+        assert cli(["explore", "--ckpt", run, *given, "--out", str(out)]) == 0, capsys.readouterr().err
+        assert page_data(out)["scores"]["induction"] == [[None, None], [None, None]]
+    capsys.readouterr()
+    assert cli(["explore", "--ckpt", run, "--repeat", "33", "--out", str(out)]) == 2
+    assert capsys.readouterr().err == ("selfattn explore: error: --repeat 33 shows 66 tokens, more than the "
+                                       "model's block_size=64; pass --repeat 32 or less\n")
+    assert cli(["explore", "--ckpt", run, "--out", str(tmp_path / "pages")]) == 2
+    assert capsys.readouterr().err == (f"selfattn explore: error: --out {str(tmp_path / 'pages')!r} is a folder: "
+                                       f"name the page to write, e.g. --out {tmp_path / 'pages' / 'explore.html'}\n")
+    assert cli(["explore", "--ckpt", run, "--repeat", "32", "--out", str(out)]) == 0  # control: the limit itself

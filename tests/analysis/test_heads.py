@@ -108,14 +108,30 @@ def test_scores_reject_bad_input():
     att = UNIFORM[None, None, None]
     with pytest.raises(ValueError, match=r"\(L, B, H, T, T\)"):
         previous_token_score(UNIFORM)
-    with pytest.raises(ValueError, match="no token occurs twice"):
-        induction_score(att, torch.tensor([[1, 2, 3, 4]]))
+    with pytest.raises(ValueError, match="no token occurs twice in `tokens`, so the duplicate-token score"):
+        duplicate_token_score(att, torch.tensor([[1, 2, 3, 4]]))
+    with pytest.raises(ValueError, match="no token recurs with another token between its two copies in `tokens`, "
+                                         "so the induction score is undefined"):
+        induction_score(att, torch.tensor([[1, 1, 2, 3]]))  # a token twice, but adjacent: nothing after a copy
     with pytest.raises(ValueError, match=r"tokens must have shape \(B=1, T=4\)"):
         duplicate_token_score(att, torch.tensor([[1, 2, 1]]))
     with pytest.raises(TypeError, match="integer"):
         induction_score(att, torch.tensor([[1.0, 2.0, 1.0, 2.0]]))
     with pytest.raises(ValueError, match="length=9 distinct tokens"):
         repeated_tokens(8, 9)
+
+
+def test_a_score_the_tokens_leave_undefined_is_nan_and_ranks_no_head():
+    att = torch.stack([UNIFORM, PREV])[None, None].expand(2, 1, 2, 4, 4)  # (L=2, B=1, H=2, T=4, T=4)
+    hello = torch.tensor([[104, 101, 108, 108]])  # "hell": the only repeat is adjacent
+    scores = head_scores(att, hello)
+    assert scores["induction"].shape == (2, 2) and scores["induction"].isnan().all()
+    torch.testing.assert_close(scores["duplicate-token"], torch.tensor([[0.25, 1.0]] * 2))  # query 3, key 2
+    assert dict(rank_heads(scores, 2))["induction"] == []
+    assert [l * 2 + h for l, h, _ in dict(rank_heads(scores, 2))["duplicate-token"]] == [1, 3]
+    repeated = torch.tensor([[7, 8, 7, 8]])  # control: with a token between the copies, induction is defined
+    assert not head_scores(att, repeated)["induction"].isnan().any()
+    assert len(dict(rank_heads(head_scores(att, repeated), 2))["induction"]) == 2
 
 
 def test_rank_heads_orders_by_score():

@@ -57,3 +57,24 @@ def test_heads_command_on_a_gpt2_folder(tmp_path, capsys, monkeypatch):
     assert torch.tensor(result["scores"]["induction"]).shape == (2, 4)
     assert cli(["heads", "--ckpt", str(folder), "--text", "abc", "--out", str(tmp_path / "o2")]) == 0
     assert "no token occurs twice" in capsys.readouterr().out
+
+
+def test_heads_on_a_text_whose_only_repeat_is_adjacent_shows_induction_as_n_a(tmp_path, capsys):
+    cfg = GPTConfig(vocab_size=256, block_size=32, n_layer=2, n_head=2, n_embd=16)
+    model = _save_run(tmp_path / "run", cfg).eval()
+    for given, tokens in ((["--text", "hello"], list(b"hello")), (["--length", "1"], None)):
+        assert cli(["heads", "--ckpt", str(tmp_path / "run"), *given, "--out", str(tmp_path / "out")]) == 0
+        text = capsys.readouterr().out
+        assert "induction: n/a, undefined on this input: no token recurs with another token between its two " \
+               "copies" in text and "no token occurs twice" not in text
+        assert "\n  induction         n/a\n" in text and text.count("n/a") == 2 + 4  # the note, the ranking, 4 heads
+        result = json.loads((tmp_path / "out" / "scores.json").read_text())
+        assert tokens is None or result["tokens"] == tokens
+        assert result["scores"]["induction"] == [[None, None], [None, None]] and result["ranking"]["induction"] == []
+        ids = torch.tensor([result["tokens"]])
+        expected = head_scores(attention_maps(model, ids), ids)["duplicate-token"]  # defined: "ll", or the pair
+        torch.testing.assert_close(torch.tensor(result["scores"]["duplicate-token"]), expected)
+    assert cli(["heads", "--ckpt", str(tmp_path / "run"), "--length", "17", "--out", str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err == ("selfattn heads: error: --length 17 shows 34 tokens, more than the model's "
+                                       "block_size=32; pass --length 16 or less\n")
+    assert cli(["heads", "--ckpt", str(tmp_path / "run"), "--length", "16", "--out", str(tmp_path / "out")]) == 0
