@@ -145,7 +145,9 @@ def resolve_configs(out: str | os.PathLike, *, preset: str | None = None, config
             raise ValueError(f"--resume: no checkpoint (ckpt-*.safetensors) in {str(out)!r}")
         ckpt, meta = found[0], found[2]["meta"]
         _check_resume_flags(ckpt, meta, model_flags, train_flags)
-        return (GPTConfig(**{**meta["model"], **model_flags}), TrainConfig(**{**meta["train"], **train_flags}), ckpt)
+        train_cfg = TrainConfig(**{**meta["train"], **train_flags})
+        _check_resume_launch(ckpt, train_cfg, train_flags)
+        return GPTConfig(**{**meta["model"], **model_flags}), train_cfg, ckpt
     if checkpoint.latest(out) is not None:
         raise ValueError(f"{str(out)!r} already holds checkpoints; pass --resume to continue it, or another --out")
     if preset is not None and preset not in PRESETS:
@@ -170,6 +172,20 @@ def _check_resume_flags(ckpt: Path, meta: dict, model_flags: dict, train_flags: 
         key, value, saved, why = changed[0]
         raise ValueError(f"--resume: --{key.replace('_', '-')} {value!r} differs from the checkpoint's "
                          f"{key}={saved!r}; {why}")
+
+
+def _check_resume_launch(ckpt: Path, cfg: TrainConfig, train_flags: dict) -> None:
+    """A resumed run takes its processes' settings from the checkpoint: when one process cannot
+    serve them, say where the value comes from and both ways on."""
+    if "RANK" in os.environ:  # under torchrun: parallel.setup checks the world it joined
+        return
+    for key, on, launch, alone in (
+            ("context_parallel", cfg.context_parallel > 1, f"torchrun --nproc_per_node={cfg.context_parallel}",
+             "--context-parallel 1"),
+            ("fsdp", cfg.fsdp, "torchrun --nproc_per_node=N", "--no-fsdp")):
+        if on and key not in train_flags:
+            raise ValueError(f"--resume: the run's checkpoint {ckpt} has {key}={getattr(cfg, key)!r}, which needs "
+                             f"several processes: launch with {launch}, or pass {alone} to continue in this one")
 
 
 def _read_config_file(path: str, model_vals: dict, train_vals: dict) -> tuple[dict, dict]:

@@ -165,6 +165,29 @@ def test_context_parallel_refusals_are_one_line(tmp_path, capsys, flags, message
     assert not (tmp_path / "r" / "log.jsonl").exists()
 
 
+@pytest.mark.parametrize("key, value, launch, alone", [
+    ("context_parallel", 2, "torchrun --nproc_per_node=2", ["--context-parallel", "1"]),
+    ("fsdp", True, "torchrun --nproc_per_node=N", ["--no-fsdp"])])
+def test_resuming_a_many_process_run_in_one_process_says_the_value_is_the_runs(tmp_path, capsys, key, value,
+                                                                              launch, alone):
+    out = tmp_path / "run"
+    flags = MICRO + ["--max-steps", "2", "--save-every", "2", "--eval-every", "2"]
+    assert main(["train", *flags, "--out", str(out)]) == 0
+    ckpt = out / "ckpt-0000002.safetensors"
+    tensors, header = checkpoint.read(ckpt)  # as if the run had been launched with torchrun and `key`
+    header["meta"]["train"][key] = value
+    header["sha256"] = checkpoint._digest(tensors, header)
+    checkpoint._write_atomic(ckpt, tensors, json.dumps(header))
+    capsys.readouterr()
+    assert main(["train", "--resume", "--out", str(out), "--max-steps", "3"]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"selfattn train: error: --resume: the run's checkpoint {ckpt} has {key}={value!r}, which needs "
+                   f"several processes: launch with {launch}, or pass {' '.join(alone)} to continue in this one\n")
+    assert not (out / "ckpt-0000003.safetensors").exists()
+    assert main(["train", "--resume", "--out", str(out), "--max-steps", "3", *alone]) == 0  # the way it names
+    assert (out / "ckpt-0000003.safetensors").exists()
+
+
 def test_a_short_run_learns(tmp_path):
     out = tmp_path / "run"
     assert main(["train", "--n-layer", "1", "--n-embd", "16", "--n-head", "2", "--block-size", "16",
