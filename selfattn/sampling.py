@@ -61,15 +61,19 @@ def next_token(logits: Tensor, *, temperature: float = 1.0, top_k: int | None = 
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)  # (B,)
 
 
-def check_sampling(temperature, top_k, top_p) -> None:
-    """Validate sampling options once, before generation starts; errors name the value."""
+def check_sampling(temperature, top_k, top_p, *, flags: bool = False) -> None:
+    """Validate sampling options once, before generation starts; errors name the value, and with
+    ``flags`` the command's flags (``--top-p``) rather than the arguments (``top_p``)."""
+    def name(arg: str) -> str:
+        return "--" + arg.replace("_", "-") if flags else arg
+    unset = "unset" if flags else "None"
     if not isinstance(temperature, numbers.Real) or isinstance(temperature, bool) or not temperature >= 0:
-        raise ValueError(f"temperature must be a number >= 0 (0 = greedy), got {temperature!r}")
+        raise ValueError(f"{name('temperature')} must be a number >= 0 (0 = greedy), got {temperature!r}")
     if top_k is not None and (not isinstance(top_k, int) or isinstance(top_k, bool) or top_k <= 0):
-        raise ValueError(f"top_k must be a positive int or None, got {top_k!r}")
+        raise ValueError(f"{name('top_k')} must be a positive int or {unset}, got {top_k!r}")
     if top_p is not None and (not isinstance(top_p, numbers.Real) or isinstance(top_p, bool)
                               or not 0.0 < top_p <= 1.0):
-        raise ValueError(f"top_p must be in (0, 1] or None, got {top_p!r}")
+        raise ValueError(f"{name('top_p')} must be in (0, 1] or {unset}, got {top_p!r}")
 
 
 def stream(model, ids: list[int], max_new_tokens: int, **sampling) -> Iterator[int]:

@@ -86,7 +86,9 @@ def builtin_cases(T: int, audit: dict, device: torch.device, B: int = 2, C: int 
 
 def model_cases(name: str, gpt: GPT, T: int, audit: dict, B: int = 2) -> list[Case]:
     """A GPT's causality on random token ids, and its KV cache: a prompt of T // 2 tokens, the rest new."""
-    T = min(T, gpt.config.block_size)
+    if T > gpt.config.block_size:
+        raise ValueError(f"--seq-len {T} is more than {name}'s block_size={gpt.config.block_size}; pass "
+                         f"--seq-len {gpt.config.block_size} or less")
     ids = torch.randint(0, gpt.config.vocab_size, (B, T))
     return [_causal(name, gpt, ids, audit),
             Case(f"{name} kv-cache", lambda: check_cache(gpt, ids[:, :T // 2], T - T // 2))]

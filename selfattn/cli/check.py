@@ -22,11 +22,14 @@ from selfattn.audit import suite
 from selfattn.audit.cache import CacheReport
 from selfattn.audit.causality import METHODS, CausalityReport
 
+SEQ_LEN = 16  # T of every audit unless --seq-len says otherwise
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--method", choices=METHODS, default="both", help="perturbation, float64 jacobian, or both")
     p.add_argument("--atol", type=float, default=0.0, help="dependence up to this size counts as none")
-    p.add_argument("--seq-len", type=int, default=16, help="sequence length T of every audit")
+    p.add_argument("--seq-len", type=int, default=None,
+                   help=f"sequence length T of every audit; unset: {SEQ_LEN}, or a --ckpt model's block_size if less")
     p.add_argument("--ckpt", metavar="PATH", default=None,
                    help="audit only a trained model: a run folder, a checkpoint file or a GPT-2 folder")
     p.add_argument("--module", metavar="PKG.MOD:FACTORY", default=None,
@@ -43,8 +46,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    if args.seq_len < 2:
+    if args.seq_len is not None and args.seq_len < 2:
         raise ValueError(f"--seq-len must be at least 2, got {args.seq_len}")
+    seq_len = SEQ_LEN if args.seq_len is None else args.seq_len
     if args.ckpt and args.module:
         raise ValueError("pass --ckpt or --module, not both")
     device = _validate.device(args.device)
@@ -54,12 +58,15 @@ def main(args: argparse.Namespace) -> int:
     if args.ckpt:
         from selfattn.loading import load
 
-        cases = suite.model_cases(args.ckpt, load(args.ckpt).model, args.seq_len, audit)
+        model = load(args.ckpt).model
+        if args.seq_len is None:
+            seq_len = min(seq_len, model.config.block_size)
+        cases = suite.model_cases(args.ckpt, model, seq_len, audit)  # a --seq-len beyond block_size is refused
     elif args.module:
-        cases = [suite.module_case(args.module, audit, _parse_shape(args.shape, args.seq_len), args.window)]
+        cases = [suite.module_case(args.module, audit, _parse_shape(args.shape, seq_len), args.window)]
     else:
         skipped = suite.skipped(device)
-        cases = list(suite.builtin_cases(args.seq_len, audit, device))
+        cases = list(suite.builtin_cases(seq_len, audit, device))
     print(f"selfattn check: method={args.method}, atol={args.atol:g}, seed={args.seed}")
     print(f"{'case':<30} {'method':<9} {'result':<9} {'leak (per | jac)':<17} {'dead':<8} time")
     failed = 0

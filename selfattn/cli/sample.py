@@ -18,7 +18,7 @@ import torch
 
 from selfattn import _validate
 from selfattn.loading import load
-from selfattn.sampling import stream, text_pieces
+from selfattn.sampling import check_sampling, stream, text_pieces
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -38,6 +38,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     if args.max_new_tokens < 0:
         raise ValueError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
+    check_sampling(args.temperature, args.top_k, args.top_p, flags=True)  # before anything is printed
     device = _validate.device(args.device)
     loaded = load(args.ckpt)
     model = loaded.model.to(device).eval().decode_layout()  # inference only: the order batch-1 decoding reads fastest

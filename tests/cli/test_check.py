@@ -139,7 +139,12 @@ def test_audits_a_trained_checkpoint(tmp_path, capsys):
     optimizer = torch.optim.AdamW(model.parameters())
     checkpoint.save(tmp_path, 7, model, optimizer, meta={"model": config.__dict__, "tokenizer": {"kind": "byte"}},
                     keep=1)
-    assert main(["check", "--ckpt", str(tmp_path)]) == 0
+    assert main(["check", "--ckpt", str(tmp_path)]) == 0  # unset, --seq-len is 16, or block_size=12 when less
     out = capsys.readouterr().out
     assert f"{tmp_path} " in out and f"{tmp_path} kv-cache " in out and "2 of 2 cases ok" in out
+    assert main(["check", "--ckpt", str(tmp_path), "--seq-len", "13"]) == 2  # asked for: refused, not cut to 12
+    assert capsys.readouterr().err == (f"selfattn check: error: --seq-len 13 is more than {tmp_path}'s "
+                                       f"block_size=12; pass --seq-len 12 or less\n")
+    assert main(["check", "--ckpt", str(tmp_path), "--seq-len", "12"]) == 0  # control: the limit itself
+    assert "2 of 2 cases ok" in capsys.readouterr().out
     assert main(["check", "--ckpt", str(tmp_path / "empty")]) == 2

@@ -106,6 +106,19 @@ def test_sample_errors_are_one_line(tmp_path, capsys):
     assert "does not exist" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flags, message", [
+    (["--top-p", "1.5"], "--top-p must be in (0, 1] or unset, got 1.5"),
+    (["--top-k", "0"], "--top-k must be a positive int or unset, got 0"),
+    (["--temperature", "-1"], "--temperature must be a number >= 0 (0 = greedy), got -1.0")])
+def test_sampling_flags_are_refused_by_their_names_before_the_prompt_is_printed(run, capsys, flags, message):
+    assert main(["sample", "--ckpt", str(run), "--prompt", "The prompt", "--max-new-tokens", "3", *flags]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err == f"selfattn sample: error: {message}\n"
+    good = {"--top-p": "1.0", "--top-k": "1", "--temperature": "0"}[flags[0]]  # control: a value in range samples
+    assert main(["sample", "--ckpt", str(run), "--prompt", "The prompt", "--max-new-tokens", "3", flags[0], good]) == 0
+    assert capsys.readouterr().out.startswith("The prompt")
+
+
 def test_sample_from_a_local_gpt2_folder_matches_transformers(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     import transformers
