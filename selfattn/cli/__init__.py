@@ -46,10 +46,11 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    args, unknown = build_parser(argv).parse_known_args(argv)
-    if unknown:  # the command's usage line, not the top-level one
-        args._parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    name = " ".join(["selfattn", *[a for a in argv if not a.startswith("-")][:1]])  # "selfattn train"
     try:
+        args, unknown = build_parser(argv).parse_known_args(argv)  # imports the command, and torch: seconds
+        if unknown:  # the command's usage line, not the top-level one
+            args._parser.error(f"unrecognized arguments: {' '.join(unknown)}")
         return int(args._main(args) or 0)
     except BrokenPipeError:  # the reader went away (``selfattn sample ... | head``): stop quietly
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit flush cannot fail again
@@ -57,8 +58,8 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, TypeError, OSError) as e:
         if os.environ.get("SELFATTN_DEBUG"):
             raise
-        print(f"selfattn {args.command}: error: {e}", file=sys.stderr)
+        print(f"{name}: error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print(f"selfattn {args.command}: interrupted", file=sys.stderr)
+    except KeyboardInterrupt:  # also while starting up: the package imports torch only here
+        print(f"{name}: interrupted", file=sys.stderr)
         return 130

@@ -1,8 +1,10 @@
 """Every command: a mistake a user can fix is one line on stderr and a non-zero exit, never a
 traceback, and it comes before the work (nothing half-done, nothing written)."""
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -58,3 +60,49 @@ def test_bench_checks_its_output_folder_before_the_work(tmp_path):
     assert inside.returncode == 2
     sub = str(target / "sub")
     assert inside.stderr == f"selfattn bench: error: folder {sub!r} cannot be created: {str(target)!r} is a file\n"
+
+
+# Ctrl-C at the moment torch is being imported, the longest part of starting up: an import hook
+# raises KeyboardInterrupt there, as the terminal's SIGINT would.
+CTRL_C_WHILE_TORCH_LOADS = """
+import sys
+
+class CtrlC:
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch":
+            raise KeyboardInterrupt
+
+sys.meta_path.insert(0, CtrlC())
+{start}
+"""
+
+
+def _python(code: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+@pytest.mark.parametrize("command", [["train", "--max-steps", "1"], ["check"], ["sample", "--ckpt", "x"]])
+def test_ctrl_c_while_starting_up_is_one_line_not_a_traceback(command, tmp_path):
+    start = "from selfattn.cli import main\nsys.exit(main(sys.argv[1:]))"  # what the `selfattn` script runs
+    done = _python(CTRL_C_WHILE_TORCH_LOADS.format(start=start), *command)
+    assert (done.returncode, done.stdout, done.stderr) == (130, "", f"selfattn {command[0]}: interrupted\n")
+    done = _python(CTRL_C_WHILE_TORCH_LOADS.format(start="import selfattn.model"))  # control: the hook bites
+    assert done.returncode == -signal.SIGINT and "Traceback" in done.stderr and "KeyboardInterrupt" in done.stderr
+
+
+def test_the_package_loads_torch_only_when_a_public_name_is_used():
+    code = ("import sys, selfattn, selfattn.cli; print('torch' in sys.modules); "
+            "from selfattn import SelfAttention, attention; import selfattn.model; "
+            "print('torch' in sys.modules, callable(selfattn.attention), attention is selfattn.attention)")
+    done = _python(code)
+    assert done.stdout.split() == ["False", "True", "True", "True"], done.stderr
+
+
+def test_a_real_ctrl_c_during_start_up_prints_no_traceback(tmp_path):
+    proc = subprocess.Popen([sys.executable, "-m", "selfattn", "train", "--max-steps", "1", "--out",
+                             str(tmp_path / "run")], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(0.5)  # importing torch takes longer than that
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130 and err == "selfattn train: interrupted\n", err
