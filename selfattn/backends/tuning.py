@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib
 import json
 import math as pymath
 import os
@@ -177,8 +178,6 @@ def measure(q: Tensor, k: Tensor, v: Tensor, mask: Mask, scores: Scores | None, 
     """Time every candidate backend that serves this request on random tensors of its shapes
     (forward, or forward and backward when ``grad``): one call to warm up (two for a compiling
     backend), then ``reps`` rounds in rotating order, the median kept. Returns the measurement."""
-    from selfattn.backends import load  # the package imports this module: load is there once it runs
-
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(t.shape, generator=g).to(device=t.device, dtype=t.dtype).requires_grad_(grad)
                for t in (q, k, v))
@@ -188,7 +187,7 @@ def measure(q: Tensor, k: Tensor, v: Tensor, mask: Mask, scores: Scores | None, 
         if name == "flex" and not allow_compile:
             continue
         try:
-            backend = load(name)
+            backend = importlib.import_module(f"selfattn.backends.{name}")  # triton: an optional extra
         except ImportError:
             continue
         with torch.set_grad_enabled(grad):
