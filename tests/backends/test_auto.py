@@ -98,3 +98,18 @@ def test_compiling_backends_can_be_kept_out_of_auto():
     env = {**os.environ, "SELFATTN_AUTO_COMPILE": "0"}
     assert subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True).stdout.strip() == \
         "False"
+
+
+def test_without_a_cpp_compiler_flex_is_unavailable_and_auto_does_without_it(monkeypatch):
+    """The other side of compile availability, on any machine: no C++ compiler on PATH."""
+    from selfattn.backends import flex
+
+    docs = (torch.arange(1024) * 16 // 1024)[None]
+    q, k, v, mask = _request(doc_ids=docs)  # the rule's flex case: a forward over documents
+    monkeypatch.setattr(flex.shutil, "which", lambda name: None)
+    assert "needs a C++ compiler" in flex.available(torch.device("cpu"))
+    assert _choose(q, k, v, mask) == "tiled"
+    with torch.no_grad():
+        torch.testing.assert_close(attention(q, k, v, doc_ids=docs), attention(q, k, v, doc_ids=docs, backend="tiled"))
+    with pytest.raises(ValueError, match="backend 'flex' cannot serve this request: .*C\\+\\+ compiler"):
+        attention(q, k, v, doc_ids=docs, backend="flex")
