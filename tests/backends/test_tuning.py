@@ -69,10 +69,13 @@ def test_auto_follows_the_measurements_where_they_cover_a_request(cache):
     assert resolve("auto", q=plain[0], k=plain[1], v=plain[2], mask=plain[3], return_weights=True) == "math"
 
 
-def test_windows_are_matched_by_their_size_too(cache):
+def test_windows_are_matched_by_their_share_of_the_keys_too(cache):
     tuning.record(CPU, [_fake(_request(window=256), "tiled"), _fake(_request(window=2048, T=4096), "sdpa")])
     assert _choose(*_request(window=128)) == "tiled"
     assert _choose(*_request(window=1024, T=2048)) == "sdpa"
+    assert _choose(*_request(window=2048, T=16384)) == "sdpa"  # the T = 1024 one is 8 octaves of T·S away
+    tuning.record(CPU, [_fake(_request(window=256, T=4096), "tiled")])
+    assert _choose(*_request(window=2048, T=16384)) == "tiled"  # an eighth, like 256 of 4096 (by size: sdpa)
 
 
 def test_a_measured_choice_that_refuses_gives_way_to_the_rule(cache):
@@ -136,6 +139,14 @@ def test_measure_times_every_backend_that_serves_and_keeps_the_fastest():
     assert set(trains["times_s"]) == {"tiled"}  # sdpa takes no soft-capping, flex has no CPU backward
 
 
+@pytest.mark.parametrize("tie", [1e9, 0.5])  # every runner-up a near tie, or none
+def test_a_near_tie_is_timed_again_for_twice_the_rounds(monkeypatch, tie):
+    monkeypatch.setattr(tuning, "TIE", tie)
+    q, k, v, mask = _request(T=128, window=32)
+    m = tuning.measure(q, k, v, mask, None, False, reps=2, allow_compile=False)  # sdpa and tiled
+    assert sorted(m["calls"].values()) == ([6, 6] if tie > 1 else [2, 2])
+
+
 def test_tuning_at_first_use_measures_once_and_keeps_it(cache, monkeypatch):
     monkeypatch.setenv("SELFATTN_AUTO_TUNE", "1")
     calls = []
@@ -157,17 +168,19 @@ def test_cli_calibrate_writes_the_cache_and_show_says_what_auto_follows(cache, t
     threads = str(torch.get_num_threads())  # as the CLI pins them: part of the machine's fingerprint
     assert cli_main(["bench", "calibrate", "--show", "--threads", threads]) == 0
     assert "auto follows its measured rule" in capsys.readouterr().out
-    assert cli_main(["bench", "calibrate", "--quick", "--masks", "window-256", "--lengths", "512", "--dtypes",
-                     "float32", "--reps", "1", "--threads", threads,
-                     "--out", str(tmp_path / "out")]) == 0
+    assert cli_main(["bench", "calibrate", "--quick", "--masks", "window-256", "causal", "--lengths", "256", "512",
+                     "--dtypes", "float32", "--reps", "1", "--threads", threads, "--out", str(tmp_path / "out")]) == 0
     out = capsys.readouterr().out
     assert "window float32 fwd+bwd" in out and (tmp_path / "out" / "calibrate.json").exists()
     result = json.loads((tmp_path / "out" / "calibrate.json").read_text())
-    assert {m["key"] for m in result["results"]} == {"window float32 fwd", "window float32 fwd+bwd"}
+    points = [(m["key"], m["T"]) for m in result["results"]]  # a window of 256 at T = 256 is plain causal: once
+    assert sorted(points) == sorted((f"{kind} float32 {mode}", T) for kind, T in (("causal", 256), ("window", 512),
+                                                                                 ("causal", 512))
+                                    for mode in ("fwd", "fwd+bwd"))
     tuning.forget()
     assert cli_main(["bench", "calibrate", "--show", "--threads", threads]) == 0
     shown = capsys.readouterr().out
-    assert "measurements for 2 kinds" in shown and "T=512 w=256" in shown
+    assert "measurements for 4 kinds" in shown and "T=512 w=256" in shown
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the file is this machine's: no warning
         tuning.forget()
