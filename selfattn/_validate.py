@@ -67,15 +67,16 @@ def positive_number(name: str, value, *, above: float = 0.0) -> float:
     return float(value)
 
 
-def heads(n_embd, n_head, n_kv_head) -> tuple[int, int]:
-    """(n_kv_head, head_dim) of a width split into query heads and key/value heads."""
+def heads(n_embd, n_head, n_kv_head, head_dim=None) -> tuple[int, int]:
+    """(n_kv_head, head_dim) of a width split into query heads and key/value heads; a
+    ``head_dim`` given sets D on its own (H·D need not be ``n_embd``)."""
     positive_ints(n_embd=n_embd, n_head=n_head)
-    if n_embd % n_head:
+    if head_dim is None and n_embd % n_head:
         raise ValueError(f"n_embd={n_embd} is not divisible by n_head={n_head}")
     n_kv_head = positive_int("n_kv_head", n_head if n_kv_head is None else n_kv_head)
     if n_head % n_kv_head:
         raise ValueError(f"n_head={n_head} is not a multiple of n_kv_head={n_kv_head}")
-    return n_kv_head, n_embd // n_head
+    return n_kv_head, n_embd // n_head if head_dim is None else positive_int("head_dim", head_dim)
 
 
 def window(value, causal: bool = True) -> int | None:
@@ -261,6 +262,13 @@ def field_type(cls: type, name: str) -> tuple[type, bool]:
         (base,) = [a for a in args if a is not type(None)]
         return base, True
     return hint, False
+
+
+def listed(names, shown: int = 4) -> str:
+    """Tensor ``names`` (sorted) for a one-line message: how many, the first few, how many more."""
+    names = sorted(str(n) for n in names)
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return f"{len(names)} tensor{'s' if len(names) > 1 else ''}: {', '.join(names[:shown])}{more}"
 
 
 def one_line(e: BaseException, limit: int = 300) -> str:

@@ -3,7 +3,8 @@
 Shape legend, used on every reshape in this package:
     B batch, T query positions, S key positions (S = T without a cache, S > T with one),
     H query heads, Hkv key/value heads (H a multiple of Hkv), D head dim, C = H * D width,
-    V vocabulary size.
+    V vocabulary size. (A ``head_dim`` set apart from the width makes H * D differ from C;
+    such lines write H·D.)
 
 ``attention(q, k, v, ...)`` validates a request, builds its :class:`~selfattn.masks.Mask`
 and hands it to one backend of :mod:`selfattn.backends`. ``SelfAttention`` is the seed
@@ -93,7 +94,11 @@ class SelfAttention(nn.Module):
     Options (each off by default, allocating nothing when off):
         n_kv_head: grouped-query attention with Hkv key/value heads (MQA at 1). The fused
             projection shrinks to ``Linear(C, C + 2·Hkv·D)``: ``2·C² + 2·C·Hkv·D`` parameters.
+        head_dim: D set on its own (Gemma, Qwen3): ``qkv = Linear(C, (H + 2·Hkv)·D)``,
+            ``proj = Linear(H·D, C)``; None = C / H.
         bias: biases on both projections (GPT-2 has them).
+        qkv_bias: biases on the q/k/v projection alone (Qwen2: True with ``bias=False``);
+            None = as ``bias``.
         dropout: on the attention weights and on the output, in training mode only.
         rope, rope_base: rotary position embeddings on q and k.
         window: sliding window, each query sees its ``window`` most recent keys (itself included).
@@ -106,16 +111,17 @@ class SelfAttention(nn.Module):
         backend: ``"auto"``, ``"math"``, ``"sdpa"``, ``"tiled"``, ``"flex"`` or ``"triton"``.
     """
 
-    def __init__(self, n_embd: int, n_head: int, *, n_kv_head: int | None = None, bias: bool = False,
-                 dropout: float = 0.0, rope: bool = False, rope_base: float = 10000.0,
-                 window: int | None = None, sink_tokens: int | None = None, alibi: bool = False,
-                 softcap: float | None = None, sinks: bool = False, mask_mod: Callable | None = None,
-                 score_mod: Callable | None = None, backend: str = "auto"):
+    def __init__(self, n_embd: int, n_head: int, *, n_kv_head: int | None = None, head_dim: int | None = None,
+                 bias: bool = False, qkv_bias: bool | None = None, dropout: float = 0.0, rope: bool = False,
+                 rope_base: float = 10000.0, window: int | None = None, sink_tokens: int | None = None,
+                 alibi: bool = False, softcap: float | None = None, sinks: bool = False,
+                 mask_mod: Callable | None = None, score_mod: Callable | None = None, backend: str = "auto"):
         super().__init__()
         self.n_head = n_head
-        self.n_kv_head, self.head_dim = _validate.heads(n_embd, n_head, n_kv_head)
+        self.n_kv_head, self.head_dim = _validate.heads(n_embd, n_head, n_kv_head, head_dim)
         if rope and self.head_dim % 2:
-            raise ValueError(f"rope needs an even head_dim, got n_embd={n_embd} / n_head={n_head} = {self.head_dim}")
+            raise ValueError(f"rope needs an even head_dim, got {self.head_dim} (n_embd={n_embd}, n_head={n_head})")
+        qkv_bias = bias if qkv_bias is None else _validate.flag("qkv_bias", qkv_bias)
         self.dropout = _validate.probability("dropout", dropout)
         self.rope, self.rope_base = bool(rope), _validate.positive_number("rope_base", rope_base, above=1.0)
         self.window = _validate.window(window)
@@ -126,8 +132,9 @@ class SelfAttention(nn.Module):
         self.score_mod = _validate.function("score_mod", score_mod)
         backends.resolve(backend)  # an unknown name fails here, not at the first forward
         self.backend = backend
-        self.qkv = nn.Linear(n_embd, n_embd + 2 * self.n_kv_head * self.head_dim, bias=bias)
-        self.proj = nn.Linear(n_embd, n_embd, bias=bias)
+        self.n_embd = n_embd
+        self.qkv = nn.Linear(n_embd, (n_head + 2 * self.n_kv_head) * self.head_dim, bias=qkv_bias)
+        self.proj = nn.Linear(n_head * self.head_dim, n_embd, bias=bias)
         self.sinks = nn.Parameter(torch.zeros(n_head)) if sinks else None  # zeros: no random draw
 
     def forward(self, x: Tensor, *, key_padding_mask: Tensor | None = None, doc_ids: Tensor | None = None,
@@ -145,11 +152,10 @@ class SelfAttention(nn.Module):
             :class:`~selfattn.distributed.SequenceShard`): RoPE takes the tokens' global
             positions and attention is ring attention over the whole sequence.
         """
-        C = self.n_head * self.head_dim
-        _validate.embeddings("SelfAttention", x, C)
+        _validate.embeddings("SelfAttention", x, self.n_embd)
         B, T, _ = x.shape
-        Hkv_D = self.n_kv_head * self.head_dim
-        q, k, v = self.qkv(x).split([C, Hkv_D, Hkv_D], dim=2)  # (B, T, C), (B, T, Hkv·D) x2
+        H_D, Hkv_D = self.n_head * self.head_dim, self.n_kv_head * self.head_dim
+        q, k, v = self.qkv(x).split([H_D, Hkv_D, Hkv_D], dim=2)  # (B, T, H·D), (B, T, Hkv·D) x2
         q = q.view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, H, T, D)
         k = k.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
         v = v.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
@@ -179,8 +185,8 @@ class SelfAttention(nn.Module):
                             alibi_slopes=alibi_slopes(self.n_head).to(x.device) if self.alibi else None,
                             softcap=self.softcap, sinks=self.sinks, mask_mod=self.mask_mod, score_mod=self.score_mod)
         y, weights = out if return_weights else (out, None)
-        y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, H, D) -> (B, T, C)
-        y = self.proj(y)
+        y = y.transpose(1, 2).contiguous().view(B, T, H_D)  # (B, T, H, D) -> (B, T, H·D)
+        y = self.proj(y)  # (B, T, C)
         if self.training and self.dropout > 0.0:
             y = nn.functional.dropout(y, self.dropout)
         return (y, weights) if return_weights else y

@@ -9,8 +9,8 @@
 - The model becomes a ``GPT2LMHeadModel`` (:func:`selfattn.hf.to_hf`). A model without
   biases is the same function as a GPT-2 whose biases are all zero, and exports as one.
   Other configurations are refused, naming each field and what GPT-2 lacks for it. (Some
-  have a ``transformers`` home, e.g. GPT-NeoX with sequential residuals for rotary runs; they
-  are not exported because ``selfattn`` reads back GPT-2 folders only.)
+  have a ``transformers`` home, e.g. Llama for RMSNorm, SwiGLU and rotary runs; exporting them
+  is not built yet, though ``selfattn`` reads Llama, Mistral and Qwen2 folders back.)
 - The byte tokenizer becomes a byte-level BPE whose vocabulary is the 256 bytes and which
   has no merges: token id = byte value, and any UTF-8 text round-trips. A BPE run exports
   its own ``tokenizer.json``. GPT-2's ``<|endoftext|>``, when the vocabulary has it, is the
@@ -51,6 +51,11 @@ _GPT2_LACKS = {
     "softcap": (lambda c: c.softcap is None, "GPT-2 does not soft-cap its attention scores"),
     "sinks": (lambda c: not c.sinks, "GPT-2's softmax has no learned sink logits"),
     "mlp": (lambda c: c.mlp, "every GPT-2 block has an MLP; there are no attention-only blocks"),
+    "mlp_kind": (lambda c: c.mlp_kind == "gelu", "GPT-2's MLP is Linear, GELU, Linear; no gated SwiGLU"),
+    "intermediate_size": (lambda c: c.intermediate_size in (None, 4 * c.n_embd), "GPT-2's MLP is 4 * n_embd wide"),
+    "norm": (lambda c: c.norm == "layernorm", "GPT-2 normalises with LayerNorm, not RMSNorm"),
+    "head_dim": (lambda c: c.head_dim in (None, c.n_embd // c.n_head), "GPT-2's head_dim is n_embd / n_head"),
+    "tie_embeddings": (lambda c: c.tie_embeddings, "GPT-2's LM head is the token embedding (tied)"),
 }
 
 
@@ -79,13 +84,13 @@ def export(gpt: GPT, tokenizer: ByteTokenizer | BPETokenizer, out_dir: str | os.
     """
     if not isinstance(gpt, GPT):
         raise TypeError(f"export expects a selfattn GPT, got {type(gpt).__name__}")
-    if not isinstance(tokenizer, (ByteTokenizer, BPETokenizer)):
-        raise TypeError(f"export expects a ByteTokenizer or BPETokenizer, got {type(tokenizer).__name__}")
     out = Path(out_dir).absolute()
     check_target(out, force)
     reasons = unsupported(gpt.config)
     if reasons:
         raise ValueError("cannot export to transformers' GPT2LMHeadModel: " + "; ".join(reasons))
+    if not isinstance(tokenizer, (ByteTokenizer, BPETokenizer)):  # a model loaded without one: architecture first
+        raise TypeError(f"export expects a ByteTokenizer or BPETokenizer, got {type(tokenizer).__name__}")
     if tokenizer.vocab_size > gpt.config.vocab_size:
         raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model only "
                          f"vocab_size={gpt.config.vocab_size}")
@@ -146,11 +151,12 @@ def check_target(out_dir: str | os.PathLike, force: bool, *, flags: bool = False
 
 
 def _with_zero_biases(gpt: GPT) -> GPT:
-    """``gpt`` itself when it has biases, else the same function with every bias present and zero."""
-    if gpt.config.bias:
+    """``gpt`` itself when it has every bias, else the same function with every bias present and zero."""
+    cfg = gpt.config
+    if cfg.bias and cfg.qkv_bias is not False and cfg.proj_bias is not False:
         return gpt
     w = gpt.wte.weight
-    twin = GPT(dataclasses.replace(gpt.config, bias=True)).to(device=w.device, dtype=w.dtype)
+    twin = GPT(dataclasses.replace(cfg, bias=True, qkv_bias=None, proj_bias=None)).to(device=w.device, dtype=w.dtype)
     missing = twin.load_state_dict(gpt.state_dict(), strict=False).missing_keys
     with torch.no_grad():
         for name in missing:  # exactly the biases: every other tensor was loaded

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from selfattn._validate import one_line
+from selfattn._validate import listed, one_line
 from selfattn.model import GPT, GPTConfig
 
 _GPT2_EOT = 50256  # GPT-2's <|endoftext|> token, its bos and eos
@@ -65,8 +65,8 @@ def from_hf(hf_model) -> GPT:
 def to_hf(gpt: GPT):
     """A ``transformers`` ``GPT2LMHeadModel`` with our GPT's weights, dtype, device and mode.
 
-    Only GPT-2's architecture converts: learned positions, biases, MLP, full multi-head
-    attention (no GQA, no window).
+    Only GPT-2's architecture converts: learned positions, biases, LayerNorm, a GELU MLP of
+    4 * n_embd, a tied head, full multi-head attention (no GQA, no window).
     """
     transformers = _transformers()
     if not isinstance(gpt, GPT):
@@ -75,10 +75,14 @@ def to_hf(gpt: GPT):
     mismatch = {name: getattr(cfg, name) for name, ok in (
         ("pos", cfg.pos == "learned"), ("bias", cfg.bias), ("mlp", cfg.mlp),
         ("n_kv_head", cfg.n_kv_head in (None, cfg.n_head)), ("window", cfg.window is None), ("alibi", not cfg.alibi),
-        ("softcap", cfg.softcap is None), ("sinks", not cfg.sinks)) if not ok}
+        ("softcap", cfg.softcap is None), ("sinks", not cfg.sinks), ("qkv_bias", cfg.qkv_bias is not False),
+        ("proj_bias", cfg.proj_bias is not False), ("mlp_kind", cfg.mlp_kind == "gelu"),
+        ("intermediate_size", cfg.intermediate_size in (None, 4 * cfg.n_embd)), ("norm", cfg.norm == "layernorm"),
+        ("head_dim", cfg.head_dim in (None, cfg.n_embd // cfg.n_head)), ("tie_embeddings", cfg.tie_embeddings))
+        if not ok}
     if mismatch:
         raise ValueError(f"only GPT-2's architecture converts to transformers (pos='learned', bias=True, mlp=True, "
-                         f"no GQA, no window); this config has {mismatch}")
+                         f"LayerNorm, GELU MLP, tied head, no GQA, no window); this config has {mismatch}")
     eot = _GPT2_EOT if cfg.vocab_size > _GPT2_EOT else None  # GPT-2's <|endoftext|>, when the vocabulary has it
     hf_config = transformers.GPT2Config(
         vocab_size=cfg.vocab_size, n_positions=cfg.block_size, n_embd=cfg.n_embd, n_layer=cfg.n_layer,
@@ -135,19 +139,12 @@ def load_gpt2(path: str | os.PathLike) -> GPT:
         logs.set_verbosity(verbosity)
         if shown:
             logs.enable_progress_bar()
-    wrong = [f"{kind} {_listed(info[key])}" for kind, key in (("missing", "missing_keys"),
+    wrong = [f"{kind} {listed(info[key])}" for kind, key in (("missing", "missing_keys"),
              ("unexpected", "unexpected_keys"), ("of another shape", "mismatched_keys")) if info[key]]
     if wrong:
         raise ValueError(f"load_gpt2: the weights in {folder} are not GPT-2's for its config.json: "
                          f"{'; '.join(wrong)}")
     return from_hf(hf_model)
-
-
-def _listed(names, shown: int = 4) -> str:
-    """``names`` (sorted) for a one-line message: the first few, then how many more."""
-    names = sorted(str(n) for n in names)
-    more = f" and {len(names) - shown} more" if len(names) > shown else ""
-    return f"{len(names)} tensor{'s' if len(names) > 1 else ''}: {', '.join(names[:shown])}{more}"
 
 
 def _names(n_layer: int) -> list[tuple[str, str, bool]]:

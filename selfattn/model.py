@@ -2,9 +2,15 @@
 
 The seed's "stack it with a feed-forward block and residuals and you have a transformer":
 token embedding (+ learned positions, or RoPE inside attention), ``n_layer`` pre-norm
-blocks ``x + attn(ln_1(x))``, ``x + mlp(ln_2(x))``, a final LayerNorm, and an LM head tied
+blocks ``x + attn(ln_1(x))``, ``x + mlp(ln_2(x))``, a final norm, and an LM head tied
 to the token embedding. With ``bias=True`` and learned positions it is GPT-2, weight for
 weight (see :mod:`selfattn.hf`).
+
+One decoder for every family. A block is described by data, never by a family's name: the
+norm (LayerNorm, or RMSNorm in float32), the MLP (GELU, or gated SwiGLU of
+``intermediate_size``), ``head_dim``, where the biases are, the RoPE base, the window, and
+whether the LM head has its own matrix. The defaults are GPT-2's shape; Llama, Mistral and
+Qwen2 set the rest (see :mod:`selfattn.models`).
 
 Padding. Batches of prompts of different lengths are left-padded and described by an
 ``attention_mask`` ``(B, S)`` (1 = real token) over every position, cached ones included.
@@ -49,10 +55,13 @@ class GPTConfig:
     n_head: int = 4  # H query heads, head_dim D = n_embd / n_head
     n_embd: int = 128  # C, the residual stream width
     n_kv_head: int | None = None  # Hkv key/value heads (GQA; 1 = MQA); None = n_head
-    bias: bool = False  # biases in every Linear and LayerNorm (GPT-2: True)
+    head_dim: int | None = None  # D set apart from the width (H·D need not be C); None = n_embd / n_head
+    bias: bool = False  # biases in every Linear and LayerNorm (GPT-2: True), but where overridden below
+    qkv_bias: bool | None = None  # biases on the q/k/v projection (Qwen2: True with bias=False); None = bias
+    proj_bias: bool | None = None  # bias on the attention's output projection (Llama's attention_bias); None = bias
     dropout: float = 0.0  # on embeddings, attention weights and residual branches, training only
     pos: str = "learned"  # "learned" absolute position embeddings (GPT-2), "rope" (rotary), or "none" (e.g. with alibi)
-    rope_base: float = 10000.0  # RoPE frequency base, used with pos="rope"
+    rope_base: float = 10000.0  # RoPE frequency base, used with pos="rope" (transformers' rope_theta)
     window: int | None = None  # sliding-window attention: each token sees its `window` most recent tokens
     sink_tokens: int | None = None  # with a window: the first n tokens stay visible to every token (StreamingLLM)
     alibi: bool = False  # ALiBi distance biases with the paper's slopes (BLOOM, MPT; with pos="none")
@@ -60,34 +69,98 @@ class GPTConfig:
     sinks: bool = False  # one learned sink logit per head in every softmax's denominator (gpt-oss)
     backend: str = "auto"  # attention backend: "auto", "math", "sdpa", "tiled", "flex", "triton"
     mlp: bool = True  # False = attention-only transformer: blocks without MLP and ln_2
-    layer_norm_eps: float = 1e-5  # LayerNorm epsilon (GPT-2: 1e-5)
+    mlp_kind: str = "gelu"  # "gelu": Linear, GELU, Linear (GPT-2); "swiglu": down(silu(gate(x)) * up(x)) (Llama)
+    intermediate_size: int | None = None  # the MLP's hidden width; None = 4 * n_embd
+    norm: str = "layernorm"  # every norm: "layernorm" (GPT-2) or "rmsnorm" (Llama; in float32, a weight, no bias)
+    layer_norm_eps: float = 1e-5  # the epsilon of every norm, LayerNorm or RMSNorm (GPT-2: 1e-5)
     gelu_approximate: str = "tanh"  # GELU in the MLP: "tanh" (GPT-2's "gelu_new") or "none" (exact erf)
+    tie_embeddings: bool = True  # the LM head is the token embedding (GPT-2); False: a (V, C) matrix of its own
 
     def __post_init__(self):
-        _validate.positive_ints(vocab_size=self.vocab_size, block_size=self.block_size, n_layer=self.n_layer)
-        if self.pos not in ("learned", "rope", "none"):
-            raise ValueError(f"pos must be 'learned', 'rope' or 'none', got {self.pos!r}")
-        if self.gelu_approximate not in ("tanh", "none"):
-            raise ValueError(f"gelu_approximate must be 'tanh' or 'none', got {self.gelu_approximate!r}")
+        _validate.positive_ints(vocab_size=self.vocab_size, block_size=self.block_size, n_layer=self.n_layer,
+                                n_head=self.n_head, n_embd=self.n_embd)
+        for name, allowed in (("pos", _POSITIONS), ("mlp_kind", tuple(_MLPS)), ("norm", tuple(_NORMS)),
+                              ("gelu_approximate", ("tanh", "none"))):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {', '.join(map(repr, allowed))}, got {getattr(self, name)!r}")
         _validate.positive_number("layer_norm_eps", self.layer_norm_eps)
+        if self.intermediate_size is not None:
+            _validate.positive_int("intermediate_size", self.intermediate_size)
+        for name in ("qkv_bias", "proj_bias"):
+            if getattr(self, name) is not None:
+                _validate.flag(name, getattr(self, name))
+        _validate.flag("tie_embeddings", self.tie_embeddings)
         if self.alibi and self.sink_tokens:
             raise ValueError("alibi with sink_tokens is not supported: the rolling cache keeps the sinks next to the "
                              "window, so their index distance is not their position distance that ALiBi needs")
         backends.resolve(self.backend)  # raises on an unknown name; head sizes are checked by SelfAttention
 
 
+_POSITIONS = ("learned", "rope", "none")
+
+
+class RMSNorm(nn.Module):
+    """``weight * x / sqrt(mean(x²) + eps)``, computed in float32 (or float64) and cast back
+    to x's dtype before the weight, as transformers' ``LlamaRMSNorm`` computes it."""
+
+    def __init__(self, n_embd: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(n_embd))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        work = x.to(torch.promote_types(x.dtype, torch.float32))  # (B, T, C), half inputs in float32
+        return self.weight * (work * torch.rsqrt(work.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}"
+
+
+_NORMS = {"layernorm": lambda c: nn.LayerNorm(c.n_embd, eps=c.layer_norm_eps, bias=c.bias),
+          "rmsnorm": lambda c: RMSNorm(c.n_embd, c.layer_norm_eps)}  # config.norm -> the norm of a GPTConfig
+
+
 class MLP(nn.Module):
-    """The feed-forward block: ``Linear(C, 4C)``, GELU, ``Linear(4C, C)``, dropout."""
+    """The feed-forward block: ``Linear(C, I)``, GELU, ``Linear(I, C)``, dropout (I = 4C by default)."""
 
     def __init__(self, config: GPTConfig):
         super().__init__()
-        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        width = config.intermediate_size or 4 * config.n_embd
+        self.c_fc = nn.Linear(config.n_embd, width, bias=config.bias)
         self.gelu = nn.GELU(approximate=config.gelu_approximate)
-        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.c_proj = nn.Linear(width, config.n_embd, bias=config.bias)
         self.dropout = nn.Dropout(config.dropout)
 
+    @property
+    def out_proj(self) -> nn.Linear:
+        """The projection back into the residual stream."""
+        return self.c_proj
+
     def forward(self, x: Tensor) -> Tensor:
-        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))  # (B, T, 4C) inside, (B, T, C) out
+        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))  # (B, T, I) inside, (B, T, C) out
+
+
+class SwiGLU(nn.Module):
+    """The gated feed-forward block of Llama: ``down(silu(gate(x)) * up(x))``, dropout; width I."""
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        width = config.intermediate_size or 4 * config.n_embd
+        self.gate_proj = nn.Linear(config.n_embd, width, bias=config.bias)
+        self.up_proj = nn.Linear(config.n_embd, width, bias=config.bias)
+        self.down_proj = nn.Linear(width, config.n_embd, bias=config.bias)
+        self.dropout = nn.Dropout(config.dropout)
+
+    @property
+    def out_proj(self) -> nn.Linear:
+        """The projection back into the residual stream."""
+        return self.down_proj
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.dropout(self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x)))  # (B, T, I) inside
+
+
+_MLPS = {"gelu": MLP, "swiglu": SwiGLU}  # config.mlp_kind -> the feed-forward block
 
 
 class Block(nn.Module):
@@ -96,15 +169,17 @@ class Block(nn.Module):
 
     def __init__(self, config: GPTConfig):
         super().__init__()
-        self.ln_1 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_eps, bias=config.bias)
-        self.attn = SelfAttention(config.n_embd, config.n_head, n_kv_head=config.n_kv_head, bias=config.bias,
+        self.ln_1 = _NORMS[config.norm](config)
+        self.attn = SelfAttention(config.n_embd, config.n_head, n_kv_head=config.n_kv_head, head_dim=config.head_dim,
+                                  bias=config.bias if config.proj_bias is None else config.proj_bias,
+                                  qkv_bias=config.bias if config.qkv_bias is None else config.qkv_bias,
                                   dropout=config.dropout, rope=config.pos == "rope", rope_base=config.rope_base,
                                   window=config.window, sink_tokens=config.sink_tokens, alibi=config.alibi,
                                   softcap=config.softcap, sinks=config.sinks, backend=config.backend)
         self.ln_2 = self.mlp = None
         if config.mlp:
-            self.ln_2 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_eps, bias=config.bias)
-            self.mlp = MLP(config)
+            self.ln_2 = _NORMS[config.norm](config)
+            self.mlp = _MLPS[config.mlp_kind](config)
 
     def forward(self, x: Tensor, *, key_padding_mask: Tensor | None = None, positions: Tensor | None = None,
                 cache: KVCache | None = None, prefix_len: int | Tensor | None = None,
@@ -128,14 +203,15 @@ class GPT(nn.Module):
         self.wpe = nn.Embedding(config.block_size, config.n_embd) if config.pos == "learned" else None
         self.drop = nn.Dropout(config.dropout)
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
-        self.ln_f = nn.LayerNorm(config.n_embd, eps=config.layer_norm_eps, bias=config.bias)
+        self.ln_f = _NORMS[config.norm](config)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
-        self.lm_head.weight = self.wte.weight  # tied: one (V, C) matrix embeds and un-embeds
+        if config.tie_embeddings:
+            self.lm_head.weight = self.wte.weight  # tied: one (V, C) matrix embeds and un-embeds
         self._init_weights()
 
     @torch.no_grad()
     def _init_weights(self) -> None:
-        """GPT-2: every weight N(0, 0.02), biases 0, LayerNorms 1 and 0, and the two residual
+        """GPT-2: every weight N(0, 0.02), biases 0, norms 1 and 0, and the two residual
         projections of each block N(0, 0.02 / sqrt(2 * n_layer)), since 2 * n_layer branches add up."""
         for module in self.modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
@@ -146,11 +222,11 @@ class GPT(nn.Module):
         for block in self.blocks:
             nn.init.normal_(block.attn.proj.weight, mean=0.0, std=residual_std)
             if block.mlp is not None:
-                nn.init.normal_(block.mlp.c_proj.weight, mean=0.0, std=residual_std)
+                nn.init.normal_(block.mlp.out_proj.weight, mean=0.0, std=residual_std)
 
     def num_params(self, non_embedding: bool = False) -> int:
-        """Number of parameters (the tied embedding/head counted once). ``non_embedding``
-        leaves out the position embeddings; the token embedding stays, as it is also the head."""
+        """Number of parameters (a tied embedding/head counted once). ``non_embedding``
+        leaves out the position embeddings; the token embedding stays (tied, it is also the head)."""
         n = sum(p.numel() for p in self.parameters())
         if non_embedding and self.wpe is not None:
             n -= self.wpe.weight.numel()

@@ -1,4 +1,5 @@
 """One loader for every model path: run folder, checkpoint file, state dict, GPT-2 folder."""
+import json
 import os
 
 import pytest
@@ -74,7 +75,7 @@ def test_paths_without_a_model_are_value_errors_naming_the_path(tmp_path, make, 
 def test_every_command_takes_every_kind_of_model_path(command, run, tmp_path, capsys):
     folder = gpt2_folder(tmp_path / "gpt2")
     extra = ["--out", str(tmp_path / "heads")] if command[0] == "heads" else []
-    for path in (run, run / "ckpt-0000004.safetensors", folder):
+    for path in (run, run / "ckpt-0000004.safetensors", folder, llama_folder(tmp_path / "llama")):
         assert main([command[0], "--ckpt", str(path), *command[1:], *extra]) == 0, path
     capsys.readouterr()
     assert main([command[0], "--ckpt", str(tmp_path / "nowhere"), *command[1:], *extra]) == 2
@@ -159,15 +160,17 @@ def llama_folder(path):
 
 
 def test_a_folder_of_another_model_type_is_refused_naming_it(tmp_path, capsys):
-    folder = llama_folder(tmp_path / "llama")
+    folder = llama_folder(tmp_path / "gemma")
+    config = folder / "config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "model_type": "gemma"}))  # a type not served
     capsys.readouterr()  # save_pretrained's progress bars
-    expected = f"unsupported model_type 'llama' in {folder / 'config.json'}: this version loads gpt2 folders"
+    expected = f"unsupported model_type 'gemma' in {config}: this version loads gpt2, llama, mistral, qwen2 folders"
     with pytest.raises(ValueError) as e:
         loading.load(folder)
     assert str(e.value) == expected
     from selfattn.hf import load_gpt2
 
-    with pytest.raises(ValueError, match=r"config.json has model_type 'llama', not 'gpt2'"):
+    with pytest.raises(ValueError, match=r"config.json has model_type 'gemma', not 'gpt2'"):
         load_gpt2(folder)  # called directly, not through load(): refused too
     for command in (["sample", "--max-new-tokens", "3", "--prompt", "the cat"],
                     ["export", "--out", str(tmp_path / "hf")]):

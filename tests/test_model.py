@@ -1,4 +1,5 @@
 """The GPT: structure, initialisation, loss, causality, left padding, and input validation."""
+import dataclasses
 import math
 
 import pytest
@@ -6,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from selfattn import SelfAttention
-from selfattn.model import GPT, GPTConfig
+from selfattn.model import GPT, GPTConfig, RMSNorm
 
 from helpers.models import BACKENDS, VARIANTS, left_pad, scrambled, small
 
@@ -20,6 +21,24 @@ def test_structure_and_tied_head():
     attn_only = GPT(small(mlp=False))
     assert all(b.mlp is None and b.ln_2 is None for b in attn_only.blocks)
     assert not any("mlp" in n or "ln_2" in n for n, _ in attn_only.named_parameters())
+
+
+def test_a_block_is_described_by_data():  # Llama-shaped: RMSNorm, SwiGLU, head_dim apart, biases apart, own head
+    cfg = small(pos="rope", norm="rmsnorm", mlp_kind="swiglu", intermediate_size=48, head_dim=16, n_kv_head=2,
+                qkv_bias=True, tie_embeddings=False)
+    model = GPT(cfg)
+    block, H, Hkv, D, C, V = model.blocks[0], 4, 2, 16, 32, 61
+    assert block.attn.qkv.weight.shape == ((H + 2 * Hkv) * D, C) and block.attn.qkv.bias is not None
+    assert block.attn.proj.weight.shape == (C, H * D) and block.attn.proj.bias is None
+    assert isinstance(block.ln_1, RMSNorm) and isinstance(model.ln_f, RMSNorm) and not hasattr(block.ln_1, "bias")
+    assert [block.mlp.gate_proj.weight.shape, block.mlp.down_proj.weight.shape] == [(48, C), (C, 48)]
+    assert model.lm_head.weight is not model.wte.weight
+    assert model.num_params() == GPT(dataclasses.replace(cfg, tie_embeddings=True)).num_params() + V * C
+    qwen2 = GPT(small(qkv_bias=True, proj_bias=False, bias=True)).blocks[0].attn  # every bias but o_proj's
+    assert qwen2.qkv.bias is not None and qwen2.proj.bias is None
+    assert GPT(small(proj_bias=True)).blocks[0].attn.qkv.bias is None  # qkv_bias None follows bias, not proj_bias
+    logits, _ = model(torch.randint(0, V, (2, 10)))
+    assert logits.shape == (2, 10, V)
 
 
 @pytest.mark.parametrize("kw", [{}, {"bias": True}, {"pos": "rope"}, {"mlp": False}, {"n_kv_head": 1}])
@@ -157,6 +176,13 @@ def test_bad_targets():
     ({"backend": "fast"}, ValueError, ["'fast'"]),
     ({"layer_norm_eps": 0}, ValueError, ["layer_norm_eps", "0"]),
     ({"n_embd": 30}, ValueError, ["n_embd=30", "n_head=4"]),
+    ({"norm": "batchnorm"}, ValueError, ["norm", "'batchnorm'", "'rmsnorm'"]),
+    ({"mlp_kind": "relu"}, ValueError, ["mlp_kind", "'relu'", "'swiglu'"]),
+    ({"intermediate_size": 0}, ValueError, ["intermediate_size", "0"]),
+    ({"head_dim": 0}, ValueError, ["head_dim", "0"]),
+    ({"qkv_bias": 1}, TypeError, ["qkv_bias", "1"]),
+    ({"proj_bias": "no"}, TypeError, ["proj_bias", "'no'"]),
+    ({"tie_embeddings": None}, TypeError, ["tie_embeddings", "None"]),
 ])
 def test_bad_config(kw, error, words):
     with pytest.raises(error) as info:

@@ -47,7 +47,7 @@ def main(args: argparse.Namespace) -> int:
                                  generator=torch.Generator().manual_seed(args.seed))[0]  # (2·repeat,)
         what = f"{args.repeat} random tokens, repeated (T={tokens.shape[0]})"
     else:
-        tokens = torch.tensor(tokenizer.encode(args.text), dtype=torch.long)  # (T,)
+        tokens = torch.tensor(loaded.require_tokenizer().encode(args.text), dtype=torch.long)  # (T,)
         what = f"--text, {tokens.shape[0]} tokens"
     out.parent.mkdir(parents=True, exist_ok=True)
     page = explore(model, tokens, out, tokenizer=tokenizer, title=f"{Path(args.ckpt).name}: {what}")

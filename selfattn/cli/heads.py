@@ -61,7 +61,7 @@ def main(args: argparse.Namespace) -> int:
         tokens = repeated_tokens(model.config.vocab_size, args.length, generator=g)  # (1, 2·length)
         what = f"{args.length} random tokens, repeated (T={tokens.shape[1]})"
     else:
-        ids = tokenizer.encode(args.text)
+        ids = loaded.require_tokenizer().encode(args.text)
         if not ids:
             raise ValueError("--text encodes to no tokens")
         tokens = torch.tensor([ids])  # (1, T)

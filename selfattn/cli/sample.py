@@ -2,8 +2,9 @@
 
 ``--ckpt`` takes a run folder of ``selfattn train`` (its newest checkpoint), one checkpoint
 file (``ckpt-*.safetensors``, or a ``torch.save`` state dict ``.pt`` beside the run's
-``config.json``), or a local GPT-2 folder written by ``transformers``' ``save_pretrained``
-(see :mod:`selfattn.loading`). Nothing is downloaded.
+``config.json``), or a local folder written by ``transformers``' ``save_pretrained`` (GPT-2,
+Llama, Mistral, Qwen2; one without a tokenizer selfattn reads is refused, saying so; see
+:mod:`selfattn.loading`). Nothing is downloaded.
 
 Tokens are turned into bytes one at a time and decoded incrementally, so a character whose
 UTF-8 bytes span several tokens is printed whole once its last byte arrives. Past the
@@ -41,8 +42,9 @@ def main(args: argparse.Namespace) -> int:
     check_sampling(args.temperature, args.top_k, args.top_p, flags=True)  # before anything is printed
     device = _validate.device(args.device)
     loaded = load(args.ckpt)
+    tokenizer = loaded.require_tokenizer()
     model = loaded.model.to(device).eval().decode_layout()  # inference only: the order batch-1 decoding reads fastest
-    ids = loaded.tokenizer.encode(args.prompt) if args.prompt else [loaded.start_token]
+    ids = tokenizer.encode(args.prompt) if args.prompt else [loaded.start_token]
     if args.prompt and not ids:
         raise ValueError(f"--prompt {args.prompt!r} encodes to no token with the tokenizer of {loaded.source}")
     if ids == [None]:
@@ -56,7 +58,7 @@ def main(args: argparse.Namespace) -> int:
     sys.stdout.write(args.prompt)
     tokens = stream(model, ids, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                     top_p=args.top_p, generator=generator)
-    for piece in text_pieces(loaded.tokenizer, tokens):
+    for piece in text_pieces(tokenizer, tokens):
         sys.stdout.write(piece)
         sys.stdout.flush()
     sys.stdout.write("\n")

@@ -10,6 +10,8 @@ VARIANTS = {  # name -> GPTConfig overrides
     "gqa-window": {"n_kv_head": 2, "window": 4},
     "rope-gqa-window-bias": {"pos": "rope", "n_kv_head": 1, "window": 3, "bias": True},
     "alibi-window": {"pos": "none", "alibi": True, "n_kv_head": 2, "window": 5},
+    "llama-shaped": {"pos": "rope", "norm": "rmsnorm", "mlp_kind": "swiglu", "intermediate_size": 48, "head_dim": 16,
+                     "n_kv_head": 2, "qkv_bias": True, "tie_embeddings": False, "window": 6},
 }
 
 
