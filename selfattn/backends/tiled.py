@@ -249,7 +249,8 @@ def _attend_backward(qs: Tensor, kw: Tensor, vw: Tensor, out: Tensor, lse: Tenso
     B, H, T, D = out.shape
     Hkv, S = kw.shape[0] // B, kw.shape[1]
     acc = _accumulated(qs.dtype)
-    do = _group(grad_out.to(qs.dtype), Hkv)  # (B·Hkv, T·G, D)
+    do = _group(grad_out.to(qs.dtype).contiguous(), Hkv)  # (B·Hkv, T·G, D); a stride-0 gradient (out.sum()) made
+    # every product with it 1.2x slower (690 ms against 557 for prefix-LM training at T = 4096)
     neg_d = _group((grad_out.to(acc) * out.to(acc)).sum(dim=3, keepdim=True).neg_(), Hkv)  # -D, (B·Hkv, T·G, 1)
     dq, dk, dv = (torch.empty_like(t, dtype=acc) for t in (qs, kw, vw))
     with _own_dtypes(qs.device):

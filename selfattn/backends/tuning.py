@@ -187,6 +187,7 @@ def measure(q: Tensor, k: Tensor, v: Tensor, mask: Mask, scores: Scores | None, 
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(t.shape, generator=g).to(device=t.device, dtype=t.dtype).requires_grad_(grad)
                for t in (q, k, v))
+    dout = torch.randn(q.shape, generator=g).to(device=q.device, dtype=q.dtype) if grad else None  # (B, H, T, D)
     scale = q.shape[-1] ** -0.5
     fns = {}
     for name in CANDIDATES:
@@ -198,7 +199,7 @@ def measure(q: Tensor, k: Tensor, v: Tensor, mask: Mask, scores: Scores | None, 
             continue
         with torch.set_grad_enabled(grad):
             if backend.unsupported(q, k, v, mask, 0.0, scores) is None:
-                fns[name] = functools.partial(_call, backend, q, k, v, mask, scores, scale, grad)
+                fns[name] = functools.partial(_call, backend, q, k, v, dout, mask, scores, scale)
     times = {name: [] for name in fns}
     for name, fn in fns.items():
         for _ in range(2 if name == "flex" else 1):
@@ -228,11 +229,13 @@ def _medians(times: dict) -> dict:
     return {name: sorted(ts)[len(ts) // 2] for name, ts in times.items()}
 
 
-def _call(backend, q, k, v, mask, scores, scale, grad) -> None:
-    with torch.set_grad_enabled(grad):
+def _call(backend, q, k, v, dout, mask, scores, scale) -> None:
+    """One timed call: the forward, and with ``dout`` (a random gradient, as training hands one: not
+    the stride-0 ones of ``out.sum()``) the backward too."""
+    with torch.set_grad_enabled(dout is not None):
         out = backend.run(q, k, v, mask, scale=scale, dropout_p=0.0, scores=scores)
-        if grad:
-            out.sum().backward()
+        if dout is not None:
+            out.backward(dout)
     if q.device.type != "cpu":
         torch.accelerator.synchronize()
 
