@@ -297,7 +297,7 @@ def test_a_score_mod_returning_another_dtype_is_one_type_error_on_every_backend(
 
 @pytest.mark.parametrize("backend", BACKENDS_WITH_SCORE_MOD)
 def test_a_score_mod_returning_its_scores_dtype_runs_on_every_backend(backend):  # control of the check above
-    q = torch.randn(2, 4, 9, 8)
+    q = torch.randn(2, 4, 33, 16)  # (head size 8 aborted the compiled flex kernel in a full suite run)
 
     def distance(s, b, h, q_idx, kv_idx):
         return s - 0.1 * (q_idx - kv_idx)  # int64 indices, float32 score: float32
