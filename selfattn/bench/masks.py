@@ -458,7 +458,7 @@ def targets(result: dict) -> list[dict]:
     w = max(costs, default=None)
     out.append(common.target("ALiBi and soft-capping cost <= 1.2x plain causal attention (auto)",
                              None if w is None else w[0] <= 1.2, "not measured" if w is None else
-                             ", ".join(f"{r:.2f}x {c[0]} T={c[1]} {c[2]}" for r, c in costs)))
+                             ", ".join(f"{r:.2f}x {c[0]} T={c[1]} {c[2]} {c[3]}" for r, c in costs)))
     out.append(_bf16_against_sdpa(at, cells, result.get("native_bf16")))
     slower = [(at[("auto", *c)]["time_s"] / at[("auto", *c[:3], "float32")]["time_s"], c) for c in cells
               if c[3] == "bfloat16" and ("auto", *c) in at and ("auto", *c[:3], "float32") in at]
@@ -481,7 +481,7 @@ def _bf16_against_sdpa(at: dict, cells: list, native: bool | None) -> dict:
             rates.append((peer["time_s"] / at[("auto", *c)]["time_s"], c))
     return common.target(what, None if not rates else min(x for x, _ in rates) >= 1.5,
                          "not measured (no bfloat16 cell at T >= 4096)" if not rates else
-                         ", ".join(f"{x:.2f}x {c[0]} {c[2]}" for x, c in rates))
+                         ", ".join(f"{x:.2f}x {c[0]} T={c[1]} {c[2]}" for x, c in rates))
 
 
 def report(result: dict) -> str:
