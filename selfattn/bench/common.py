@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from selfattn import _files
+from selfattn.backends import tuning
 
 # Largest tolerated relative error (max |a - b| / max |b|) of an implementation against the
 # reference, per dtype: float32 rounding over a few hundred terms stays near 1e-6; bfloat16
@@ -46,7 +47,7 @@ def pin_threads(threads: int | None) -> int:
 
 def machine(device: torch.device) -> dict:
     """The machine and library versions, as printed and stored with every result."""
-    info = {"device": str(device), "cpu": _cpu_model(), "cores": os.cpu_count(),
+    info = {"device": str(device), "cpu": tuning.cpu()[0], "cores": os.cpu_count(),
             "threads": torch.get_num_threads(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "python": platform.python_version(), "platform": platform.platform(), "torch": torch.__version__}
     for lib in ("transformers", "triton"):
@@ -64,17 +65,6 @@ def describe(info: dict) -> str:
     return (f"machine: {info['cpu']} ({info['cores']} cores, {info['cpu_capability']}){gpu}; device {info['device']}, "
             f"{info['threads']} torch threads\nversions: python {info['python']}, torch {info['torch']}, "
             f"transformers {info['transformers'] or 'not installed'}, triton {info['triton'] or 'not installed'}")
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def sync(device: torch.device) -> None:
