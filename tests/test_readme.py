@@ -1,17 +1,20 @@
-"""The README's Python examples run as written and compute what their comments say."""
+"""The Python examples of the README and of the pages under docs/ run as written and compute what
+their comments say."""
 import re
 from pathlib import Path
 
 import torch
 
-README = (Path(__file__).parents[1] / "README.md").read_text()
-BLOCKS = re.findall(r"```python\n(.*?)```", README, flags=re.S)
+ROOT = Path(__file__).parents[1]
+README = (ROOT / "README.md").read_text()
+PAGES = {path: path.read_text() for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]}
+BLOCKS = [b for text in PAGES.values() for b in re.findall(r"```python\n(.*?)```", text, flags=re.S)]
 
 
 def _block(first_line: str) -> str:
-    """The README's Python block that starts with ``first_line``."""
+    """The Python block of the README or a docs page that starts with ``first_line``."""
     found = [b for b in BLOCKS if b.startswith(first_line)]
-    assert len(found) == 1, f"{len(found)} README blocks start with {first_line!r}"
+    assert len(found) == 1, f"{len(found)} blocks of README.md and docs/*.md start with {first_line!r}"
     return found[0]
 
 
@@ -47,3 +50,4 @@ def test_the_gpt_examples(capsys):
     assert len(capsys.readouterr().out.split()) == 50  # 50 streamed tokens
     exec(_block("idx  = torch.tensor("), scope)
     assert scope["out"].shape == (2, 10)
+
