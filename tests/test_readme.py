@@ -1,8 +1,10 @@
 """The Python examples of the README and of the pages under docs/ run as written and compute what
-their comments say."""
+their comments say; the README opens with its two set-up commands and stays an overview; every
+relative link and image of those pages points at a file (and heading) that exists."""
 import re
 from pathlib import Path
 
+import pytest
 import torch
 
 ROOT = Path(__file__).parents[1]
@@ -51,3 +53,54 @@ def test_the_gpt_examples(capsys):
     exec(_block("idx  = torch.tensor("), scope)
     assert scope["out"].shape == (2, 10)
 
+
+def test_the_readme_opens_with_its_two_set_up_commands_and_stays_an_overview():
+    first_block = re.search(r"```(\w*)\n(.*?)```", README, flags=re.S)
+    assert first_block[1] == "bash" and [line.split()[:2] for line in first_block[2].splitlines()] == [
+        ["make", "demo"], ["make", "test"]]
+    assert README.index("```bash\nmake demo") < README.index("\n## ")  # before any section
+    assert len(README.encode()) <= 15_000, len(README.encode())
+
+
+def _slug(heading: str) -> str:
+    """The anchor GitHub gives a heading: lower case, punctuation dropped, spaces as hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def _links(text: str):
+    prose = re.sub(r"```.*?```", "", text, flags=re.S)  # links inside code are not links
+    prose = re.sub(r"`[^`\n]*`", "", prose)
+    return re.findall(r"\]\(([^)\s]+)\)", prose)
+
+
+def _broken(page: Path, text: str) -> list[str]:
+    """The relative links and images of ``text`` (a page at ``page``) whose file or heading is missing."""
+    broken = []
+    for link in _links(text):
+        if re.match(r"[a-z]+:", link):
+            continue  # an absolute address
+        target, _, anchor = link.partition("#")
+        path = (page.parent / target).resolve() if target else page
+        if not path.exists():
+            broken.append(f"{link}: no file {path}")
+        elif anchor:
+            headings = re.findall(r"^#+ (.+)$", re.sub(r"```.*?```", "", path.read_text(), flags=re.S), flags=re.M)
+            if anchor not in {_slug(h) for h in headings}:
+                broken.append(f"{link}: no heading #{anchor} in {path.name}")
+    return broken
+
+
+@pytest.mark.parametrize("page", list(PAGES), ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_relative_link_and_image_resolves(page):
+    assert _broken(page, PAGES[page]) == []
+
+
+def test_the_link_check_catches_a_broken_path_and_a_broken_anchor():  # negative controls
+    assert _links("see [a](docs/nope.md) and ![b](x.png), not `[c](d)` in\n```\n[e](f)\n```") == [
+        "docs/nope.md", "x.png"]
+    assert _slug("Masks (`selfattn bench masks`)") == "masks-selfattn-bench-masks"
+    readme = ROOT / "README.md"
+    assert _broken(readme, "[ok](docs/gpt.md#train-and-sample) [gone](docs/gone.md) ![img](tiny_loss.png) "
+                           "[anchor](docs/gpt.md#no-such-heading) [web](https://example.org)") == [
+        f"docs/gone.md: no file {ROOT / 'docs' / 'gone.md'}", f"tiny_loss.png: no file {ROOT / 'tiny_loss.png'}",
+        "docs/gpt.md#no-such-heading: no heading #no-such-heading in gpt.md"]
