@@ -2,7 +2,7 @@
 
 The rule, and the measurements behind it (``selfattn bench masks`` and timings of the same
 kind, on a 2-core AMD EPYC with AVX2, float32, B=1, H=8, D=64, medians of interleaved runs;
-the README has the tables):
+the masks tables are in ``docs/benchmarks.md``, an AVX2 run in ``docs/bench/masks-avx2.md``):
 
 1. Weights asked for: ``math``, the only backend that returns them.
 2. Plain causal or unmasked attention (a window as long as the sequence included): ``sdpa``.

@@ -5,7 +5,7 @@ built offline: a ``GPT2Config``, a randomly initialised ``GPT2LMHeadModel``, con
 :func:`selfattn.hf.from_hf`; nothing is downloaded):
 
 - ``kv-cache``: our ``GPT.generate``: the prompt prefilled once, then one token per step
-  against the preallocated KV cache, on a model prepared for inference as the README shows
+  against the preallocated KV cache, on a model prepared for inference as ``docs/gpt.md`` shows
   (``model.eval().decode_layout()``: the same values, weights in (in, out) memory order);
 - ``no-cache``: our GPT without a cache: every step runs the whole sequence again;
 - ``hf-generate``: ``transformers``' ``generate`` (greedy, its own cache).
