@@ -22,7 +22,8 @@ from torch import Tensor, nn
 from selfattn import _validate, backends
 from selfattn.kv_cache import KVCache, RollingKVCache
 from selfattn.masks import Mask
-from selfattn.rope import apply_rope, rope_angles
+from selfattn.norms import Norm
+from selfattn.rope import apply_rope, check_scaling, rope_angles
 from selfattn.scores import Scores, alibi_slopes, check_score_mod
 
 if TYPE_CHECKING:  # the core never imports the distributed layer; a shard is handed in
@@ -100,7 +101,14 @@ class SelfAttention(nn.Module):
         qkv_bias: biases on the q/k/v projection alone (Qwen2: True with ``bias=False``);
             None = as ``bias``.
         dropout: on the attention weights and on the output, in training mode only.
+        scale: the scores' scale, default ``D ** -0.5`` (Gemma: ``query_pre_attn_scalar ** -0.5``).
         rope, rope_base: rotary position embeddings on q and k.
+        rope_scaling: a context-extension rule for RoPE (:mod:`selfattn.rope`: linear, llama3,
+            yarn, longrope), a dict in ``transformers``' form.
+        rope_dims: rotate only the first ``rope_dims`` channels of each head (partial rotary).
+        qk_norm: a :class:`~selfattn.norms.Norm` applied to q and k before RoPE, each with its
+            own weight: over each head's D channels (``qk_norm_over="head"``: Qwen3, Gemma 3) or
+            over the whole projection, H·D and Hkv·D (``"projection"``: OLMo 2).
         window: sliding window, each query sees its ``window`` most recent keys (itself included).
         sink_tokens: with a window, the first n positions stay visible to every query (StreamingLLM).
         alibi: ALiBi biases with the paper's slopes for ``n_head`` heads (:func:`~selfattn.scores.alibi_slopes`).
@@ -112,18 +120,24 @@ class SelfAttention(nn.Module):
     """
 
     def __init__(self, n_embd: int, n_head: int, *, n_kv_head: int | None = None, head_dim: int | None = None,
-                 bias: bool = False, qkv_bias: bool | None = None, dropout: float = 0.0, rope: bool = False,
-                 rope_base: float = 10000.0, window: int | None = None, sink_tokens: int | None = None,
-                 alibi: bool = False, softcap: float | None = None, sinks: bool = False,
-                 mask_mod: Callable | None = None, score_mod: Callable | None = None, backend: str = "auto"):
+                 bias: bool = False, qkv_bias: bool | None = None, dropout: float = 0.0, scale: float | None = None,
+                 rope: bool = False, rope_base: float = 10000.0, rope_scaling: dict | None = None,
+                 rope_dims: int | None = None, qk_norm: Norm | None = None, qk_norm_over: str = "head",
+                 window: int | None = None, sink_tokens: int | None = None, alibi: bool = False,
+                 softcap: float | None = None, sinks: bool = False, mask_mod: Callable | None = None,
+                 score_mod: Callable | None = None, backend: str = "auto"):
         super().__init__()
         self.n_head = n_head
         self.n_kv_head, self.head_dim = _validate.heads(n_embd, n_head, n_kv_head, head_dim)
-        if rope and self.head_dim % 2:
-            raise ValueError(f"rope needs an even head_dim, got {self.head_dim} (n_embd={n_embd}, n_head={n_head})")
+        self.rope_dims = self.head_dim if rope_dims is None else _validate.positive_int("rope_dims", rope_dims)
+        if rope and (self.rope_dims % 2 or self.rope_dims > self.head_dim):
+            raise ValueError(f"rope needs an even number of rotated channels up to head_dim={self.head_dim}, got "
+                             f"{self.rope_dims} (n_embd={n_embd}, n_head={n_head}, rope_dims={rope_dims})")
         qkv_bias = bias if qkv_bias is None else _validate.flag("qkv_bias", qkv_bias)
         self.dropout = _validate.probability("dropout", dropout)
+        self.scale = None if scale is None else _validate.positive_number("scale", scale)
         self.rope, self.rope_base = bool(rope), _validate.positive_number("rope_base", rope_base, above=1.0)
+        self.rope_scaling = check_scaling(rope_scaling, self.rope_dims)
         self.window = _validate.window(window)
         self.sink_tokens = _validate.sink_tokens(sink_tokens, self.window)
         self.alibi = bool(alibi)
@@ -136,6 +150,16 @@ class SelfAttention(nn.Module):
         self.qkv = nn.Linear(n_embd, (n_head + 2 * self.n_kv_head) * self.head_dim, bias=qkv_bias)
         self.proj = nn.Linear(n_head * self.head_dim, n_embd, bias=bias)
         self.sinks = nn.Parameter(torch.zeros(n_head)) if sinks else None  # zeros: no random draw
+        self.q_norm = self.k_norm = None
+        self.qk_norm_over = qk_norm_over
+        if qk_norm is not None:
+            if not isinstance(qk_norm, Norm):
+                raise TypeError(f"qk_norm must be a selfattn.norms.Norm, got {type(qk_norm).__name__}")
+            if qk_norm_over not in ("head", "projection"):
+                raise ValueError(f"qk_norm_over must be 'head' or 'projection', got {qk_norm_over!r}")
+            per_head = qk_norm_over == "head"
+            self.q_norm = qk_norm(self.head_dim if per_head else n_head * self.head_dim)
+            self.k_norm = qk_norm(self.head_dim if per_head else self.n_kv_head * self.head_dim)
 
     def forward(self, x: Tensor, *, key_padding_mask: Tensor | None = None, doc_ids: Tensor | None = None,
                 prefix_len: int | Tensor | None = None, positions: Tensor | None = None,
@@ -156,9 +180,13 @@ class SelfAttention(nn.Module):
         B, T, _ = x.shape
         H_D, Hkv_D = self.n_head * self.head_dim, self.n_kv_head * self.head_dim
         q, k, v = self.qkv(x).split([H_D, Hkv_D, Hkv_D], dim=2)  # (B, T, H·D), (B, T, Hkv·D) x2
+        if self.q_norm is not None and self.qk_norm_over == "projection":
+            q, k = self.q_norm(q), self.k_norm(k)
         q = q.view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, H, T, D)
         k = k.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
         v = v.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
+        if self.q_norm is not None and self.qk_norm_over == "head":
+            q, k = self.q_norm(q), self.k_norm(k)
         if shard is not None:
             self._check_shard(cache, return_weights, prefix_len)
         if self.rope:
@@ -167,7 +195,8 @@ class SelfAttention(nn.Module):
             elif positions is None:
                 past = cache.length if cache is not None else 0
                 positions = torch.arange(past, past + T, device=x.device)  # (T,)
-            cos, sin = rope_angles(positions, self.head_dim, self.rope_base)  # (1 or B, 1, T, D/2)
+            cos, sin = rope_angles(positions, self.rope_dims, self.rope_base,
+                                   scaling=self.rope_scaling)  # (1 or B, 1, T, R/2) each
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
             k, v = cache.append(k, v)  # (B, Hkv, S, D): the cached keys the queries need, and the T new ones
@@ -180,7 +209,7 @@ class SelfAttention(nn.Module):
                                   backend=self.backend)
         else:
             out = attention(q, k, v, window=self.window, key_padding_mask=key_padding_mask, doc_ids=doc_ids,
-                            dropout_p=self.dropout if self.training else 0.0, backend=self.backend,
+                            dropout_p=self.dropout if self.training else 0.0, scale=self.scale, backend=self.backend,
                             return_weights=return_weights, sink_tokens=self.sink_tokens, prefix_len=prefix_len,
                             alibi_slopes=alibi_slopes(self.n_head).to(x.device) if self.alibi else None,
                             softcap=self.softcap, sinks=self.sinks, mask_mod=self.mask_mod, score_mod=self.score_mod)
@@ -196,6 +225,7 @@ class SelfAttention(nn.Module):
         refused = [name for name, on in (
             ("cache", cache is not None), ("return_weights", return_weights), ("prefix_len", prefix_len is not None),
             ("sink_tokens", self.sink_tokens is not None), ("alibi", self.alibi), ("softcap", self.softcap is not None),
+            ("scale", self.scale is not None),
             ("sinks", self.sinks is not None), ("mask_mod", self.mask_mod is not None),
             ("score_mod", self.score_mod is not None), ("dropout", self.training and self.dropout > 0.0)) if on]
         if refused:
@@ -207,8 +237,12 @@ class SelfAttention(nn.Module):
         if self.n_kv_head != self.n_head:
             opts.append(f"n_kv_head={self.n_kv_head}")
         opts += [f"{name}={getattr(self, name)!r}" for name, off in
-                 (("dropout", 0.0), ("rope", False), ("window", None), ("sink_tokens", None), ("alibi", False),
-                  ("softcap", None), ("backend", "auto")) if getattr(self, name) != off]
+                 (("dropout", 0.0), ("scale", None), ("rope", False), ("window", None), ("sink_tokens", None),
+                  ("alibi", False), ("softcap", None), ("backend", "auto")) if getattr(self, name) != off]
+        if self.rope and self.rope_dims != self.head_dim:
+            opts.append(f"rope_dims={self.rope_dims}")
+        if self.rope and self.rope_scaling is not None:
+            opts.append(f"rope_scaling={self.rope_scaling['rope_type']!r}")
         opts += [name for name in ("sinks", "mask_mod", "score_mod") if getattr(self, name) is not None]
         return ", ".join(opts)
 

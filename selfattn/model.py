@@ -6,11 +6,21 @@ blocks ``x + attn(ln_1(x))``, ``x + mlp(ln_2(x))``, a final norm, and an LM head
 to the token embedding. With ``bias=True`` and learned positions it is GPT-2, weight for
 weight (see :mod:`selfattn.hf`).
 
-One decoder for every family. A block is described by data, never by a family's name: the
-norm (LayerNorm, or RMSNorm in float32), the MLP (GELU, or gated SwiGLU of
-``intermediate_size``), ``head_dim``, where the biases are, the RoPE base, the window, and
-whether the LM head has its own matrix. The defaults are GPT-2's shape; Llama, Mistral and
-Qwen2 set the rest (see :mod:`selfattn.models`).
+One decoder for every family. A block is described by data, never by a family's name:
+- norms (:mod:`selfattn.norms`): LayerNorm or RMSNorm, its epsilon, offset and rounding; where
+  they stand (``norm_position``): before each sublayer (``"pre"``: GPT-2, Llama), before and
+  after (``"sandwich"``: Gemma 2 and 3), or after it only (``"post"``: OLMo 2,
+  ``x + norm(attn(x))``); one after the embedding (``embedding_norm``: BLOOM);
+- the MLP: GELU (GPT-2, BLOOM), gated SwiGLU or GeGLU of ``intermediate_size`` (Llama, Gemma),
+  or a mixture of experts (gpt-oss: a router with a bias, softmax over the top k, clamped
+  SwiGLU experts with biases);
+- attention: ``head_dim``, where the biases are, q/k norms (per head or over the projection),
+  the scale, soft-capping, learned sinks, ALiBi; which layers slide over a ``window``
+  (``window_layers``) and the RoPE of those layers (``window_rope_base``); RoPE scaling and
+  partial rotary;
+- embeddings scaled (``embedding_scale``: Gemma's sqrt(C)), the head tied or not, and final
+  logits soft-capped (``logit_softcap``).
+The defaults are GPT-2's shape; the families of :mod:`selfattn.models` set the rest.
 
 Padding. Batches of prompts of different lengths are left-padded and described by an
 ``attention_mask`` ``(B, S)`` (1 = real token) over every position, cached ones included.
@@ -23,8 +33,8 @@ tokens get their global positions and every attention layer is ring attention ov
 sequence; the loss is the mean over this rank's positions.
 
 Decoding. :meth:`GPT.new_cache` preallocates one :class:`~selfattn.kv_cache.KVCache` per
-layer (a :class:`~selfattn.kv_cache.RollingKVCache` of ``window`` slots for sliding-window
-models); a forward with ``cache=`` runs only the new tokens and appends their keys and values.
+layer (a :class:`~selfattn.kv_cache.RollingKVCache` of ``window`` slots for each sliding-window
+layer); a forward with ``cache=`` runs only the new tokens and appends their keys and values.
 :meth:`GPT.generate` prefills the prompt once and then feeds one token per step.
 """
 from __future__ import annotations
@@ -38,9 +48,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from selfattn import _validate, backends
+from selfattn import _validate, backends, norms
 from selfattn.attention import SelfAttention
 from selfattn.kv_cache import KVCache, RollingKVCache
+from selfattn.norms import Norm
+from selfattn.rope import check_scaling
 from selfattn.sampling import check_sampling, next_token
 
 if TYPE_CHECKING:  # the core never imports the distributed layer; a shard is handed in
@@ -62,25 +74,41 @@ class GPTConfig:
     dropout: float = 0.0  # on embeddings, attention weights and residual branches, training only
     pos: str = "learned"  # "learned" absolute position embeddings (GPT-2), "rope" (rotary), or "none" (e.g. with alibi)
     rope_base: float = 10000.0  # RoPE frequency base, used with pos="rope" (transformers' rope_theta)
+    rope_scaling: dict | None = None  # a RoPE context-extension rule (selfattn.rope: linear, llama3, yarn, longrope)
+    rope_dims: int | None = None  # RoPE rotates the first rope_dims channels of each head (partial rotary); None = all
     window: int | None = None  # sliding-window attention: each token sees its `window` most recent tokens
+    window_layers: list | None = None  # with a window: one bool per layer, True = that layer slides; None = all do
+    window_rope_base: float | None = None  # sliding layers' RoPE base, without rope_scaling (Gemma 3); None = same
     sink_tokens: int | None = None  # with a window: the first n tokens stay visible to every token (StreamingLLM)
     alibi: bool = False  # ALiBi distance biases with the paper's slopes (BLOOM, MPT; with pos="none")
     softcap: float | None = None  # attention scores soft-capped to softcap * tanh(score / softcap) (Gemma 2)
     sinks: bool = False  # one learned sink logit per head in every softmax's denominator (gpt-oss)
+    attn_scale: float | None = None  # the attention scores' scale; None = head_dim ** -0.5
+    qk_norm: str | None = None  # a norm on q and k before RoPE: "head" (over D: Qwen3, Gemma 3), "projection" (OLMo 2)
     backend: str = "auto"  # attention backend: "auto", "math", "sdpa", "tiled", "flex", "triton"
     mlp: bool = True  # False = attention-only transformer: blocks without MLP and ln_2
-    mlp_kind: str = "gelu"  # "gelu": Linear, GELU, Linear (GPT-2); "swiglu": down(silu(gate(x)) * up(x)) (Llama)
-    intermediate_size: int | None = None  # the MLP's hidden width; None = 4 * n_embd
+    mlp_kind: str = "gelu"  # "gelu" (GPT-2), "swiglu" (Llama), "geglu" (Gemma): down(act(gate(x)) * up(x)); "moe"
+    intermediate_size: int | None = None  # the MLP's hidden width (each expert's); None = 4 * n_embd
+    n_experts: int | None = None  # mlp_kind="moe": the number of experts
+    experts_per_token: int = 2  # mlp_kind="moe": the top k experts each token is routed to
+    expert_clamp: float = 7.0  # mlp_kind="moe": the experts' SwiGLU clamps gate and up to this (gpt-oss)
     norm: str = "layernorm"  # every norm: "layernorm" (GPT-2) or "rmsnorm" (Llama; in float32, a weight, no bias)
     layer_norm_eps: float = 1e-5  # the epsilon of every norm, LayerNorm or RMSNorm (GPT-2: 1e-5)
+    norm_offset: float = 0.0  # RMSNorm scales by norm_offset + weight (Gemma: 1.0, the weight stored as w of 1 + w)
+    norm_weight_in_float32: bool = False  # RMSNorm's weight multiplies in float32, then casts (Gemma, OLMo 2)
+    norm_position: str = "pre"  # "pre": x + f(norm(x)), "sandwich": x + norm(f(norm(x))), "post": x + norm(f(x))
+    embedding_norm: bool = False  # a norm right after the token embedding (BLOOM)
+    embedding_scale: float | None = None  # token embeddings multiplied by this, in their dtype (Gemma: sqrt(n_embd))
     gelu_approximate: str = "tanh"  # GELU in the MLP: "tanh" (GPT-2's "gelu_new") or "none" (exact erf)
     tie_embeddings: bool = True  # the LM head is the token embedding (GPT-2); False: a (V, C) matrix of its own
+    logit_softcap: float | None = None  # final logits soft-capped to c * tanh(logits / c) (Gemma 2)
 
     def __post_init__(self):
         _validate.positive_ints(vocab_size=self.vocab_size, block_size=self.block_size, n_layer=self.n_layer,
                                 n_head=self.n_head, n_embd=self.n_embd)
-        for name, allowed in (("pos", _POSITIONS), ("mlp_kind", tuple(_MLPS)), ("norm", tuple(_NORMS)),
-                              ("gelu_approximate", ("tanh", "none"))):
+        for name, allowed in (("pos", _POSITIONS), ("mlp_kind", tuple(_MLPS)), ("norm", norms.KINDS),
+                              ("gelu_approximate", ("tanh", "none")), ("norm_position", _NORM_POSITIONS),
+                              ("qk_norm", (None, "head", "projection"))):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {', '.join(map(repr, allowed))}, got {getattr(self, name)!r}")
         _validate.positive_number("layer_norm_eps", self.layer_norm_eps)
@@ -89,35 +117,50 @@ class GPTConfig:
         for name in ("qkv_bias", "proj_bias"):
             if getattr(self, name) is not None:
                 _validate.flag(name, getattr(self, name))
-        _validate.flag("tie_embeddings", self.tie_embeddings)
+        for name in ("tie_embeddings", "norm_weight_in_float32", "embedding_norm"):
+            _validate.flag(name, getattr(self, name))
+        for name in ("embedding_scale", "logit_softcap", "attn_scale", "window_rope_base"):
+            if getattr(self, name) is not None:
+                _validate.positive_number(name, getattr(self, name))
+        self.norm_spec()  # raises on a norm_offset of a LayerNorm
+        if self.mlp_kind == "moe":
+            _validate.positive_ints(n_experts=self.n_experts, experts_per_token=self.experts_per_token)
+            if self.experts_per_token > self.n_experts:
+                raise ValueError(f"experts_per_token={self.experts_per_token} exceeds n_experts={self.n_experts}")
+            _validate.positive_number("expert_clamp", self.expert_clamp)
+        if self.window_layers is not None:
+            if self.window is None:
+                raise ValueError("window_layers says which layers slide over the window, but window is None")
+            if not isinstance(self.window_layers, list) or len(self.window_layers) != self.n_layer or \
+                    not all(isinstance(w, bool) for w in self.window_layers):
+                raise ValueError(f"window_layers must be a list of n_layer={self.n_layer} bools, got "
+                                 f"{self.window_layers!r}")
+        if self.rope_dims is not None:
+            _validate.positive_int("rope_dims", self.rope_dims)
+        check_scaling(self.rope_scaling, self.rope_dims or self.head_dim or self.n_embd // self.n_head)
         if self.alibi and self.sink_tokens:
             raise ValueError("alibi with sink_tokens is not supported: the rolling cache keeps the sinks next to the "
                              "window, so their index distance is not their position distance that ALiBi needs")
         backends.resolve(self.backend)  # raises on an unknown name; head sizes are checked by SelfAttention
 
+    def norm_spec(self) -> Norm:
+        """How every norm of this model is made (:class:`~selfattn.norms.Norm`)."""
+        return Norm(self.norm, self.layer_norm_eps, bias=self.bias, offset=self.norm_offset,
+                    weight_in_float32=self.norm_weight_in_float32)
+
+    def layer_window(self, i: int) -> int | None:
+        """The window layer ``i`` slides over, None when it sees every earlier token."""
+        return self.window if self.window_layers is None or self.window_layers[i] else None
+
+    def layer_rope(self, i: int) -> tuple[float, dict | None]:
+        """RoPE base and scaling rule of layer ``i``."""
+        if self.window_rope_base is not None and self.layer_window(i) is not None:
+            return self.window_rope_base, None
+        return self.rope_base, self.rope_scaling
+
 
 _POSITIONS = ("learned", "rope", "none")
-
-
-class RMSNorm(nn.Module):
-    """``weight * x / sqrt(mean(x²) + eps)``, computed in float32 (or float64) and cast back
-    to x's dtype before the weight, as transformers' ``LlamaRMSNorm`` computes it."""
-
-    def __init__(self, n_embd: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(n_embd))
-        self.eps = eps
-
-    def forward(self, x: Tensor) -> Tensor:
-        work = x.to(torch.promote_types(x.dtype, torch.float32))  # (B, T, C), half inputs in float32
-        return self.weight * (work * torch.rsqrt(work.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
-
-    def extra_repr(self) -> str:
-        return f"{self.weight.shape[0]}, eps={self.eps}"
-
-
-_NORMS = {"layernorm": lambda c: nn.LayerNorm(c.n_embd, eps=c.layer_norm_eps, bias=c.bias),
-          "rmsnorm": lambda c: RMSNorm(c.n_embd, c.layer_norm_eps)}  # config.norm -> the norm of a GPTConfig
+_NORM_POSITIONS = ("pre", "sandwich", "post")
 
 
 class MLP(nn.Module):
@@ -132,62 +175,116 @@ class MLP(nn.Module):
         self.dropout = nn.Dropout(config.dropout)
 
     @property
-    def out_proj(self) -> nn.Linear:
+    def out_weight(self) -> Tensor:
         """The projection back into the residual stream."""
-        return self.c_proj
+        return self.c_proj.weight
 
     def forward(self, x: Tensor) -> Tensor:
         return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))  # (B, T, I) inside, (B, T, C) out
 
 
-class SwiGLU(nn.Module):
-    """The gated feed-forward block of Llama: ``down(silu(gate(x)) * up(x))``, dropout; width I."""
+class GatedMLP(nn.Module):
+    """The gated feed-forward block: ``down(act(gate(x)) * up(x))``, dropout; width I. SiLU
+    makes it SwiGLU (Llama), GELU GeGLU (Gemma). gate and up are one ``Linear(C, 2I)``, gate's
+    rows first: one matrix product instead of two."""
 
     def __init__(self, config: GPTConfig):
         super().__init__()
         width = config.intermediate_size or 4 * config.n_embd
-        self.gate_proj = nn.Linear(config.n_embd, width, bias=config.bias)
-        self.up_proj = nn.Linear(config.n_embd, width, bias=config.bias)
+        self.gate_up_proj = nn.Linear(config.n_embd, 2 * width, bias=config.bias)
+        self.act = nn.SiLU() if config.mlp_kind == "swiglu" else nn.GELU(approximate=config.gelu_approximate)
         self.down_proj = nn.Linear(width, config.n_embd, bias=config.bias)
         self.dropout = nn.Dropout(config.dropout)
 
     @property
-    def out_proj(self) -> nn.Linear:
-        """The projection back into the residual stream."""
-        return self.down_proj
+    def out_weight(self) -> Tensor:
+        return self.down_proj.weight
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.dropout(self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x)))  # (B, T, I) inside
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # (B, T, I) each
+        return self.dropout(self.down_proj(self.act(gate) * up))  # (B, T, C)
 
 
-_MLPS = {"gelu": MLP, "swiglu": SwiGLU}  # config.mlp_kind -> the feed-forward block
+class MoE(nn.Module):
+    """A mixture of experts (gpt-oss): a router ``Linear(C, E)`` with a bias picks each token's
+    top k experts, their logits softmaxed over the k; each expert is a clamped SwiGLU with
+    biases, ``down((up + 1) · gate · sigmoid(1.702 · gate))``, gate clamped above and up on
+    both sides at ``expert_clamp``; the token's output is the weighted sum of its k experts'.
 
-
-class Block(nn.Module):
-    """Pre-norm transformer block: ``x + attn(ln_1(x))`` then ``x + mlp(ln_2(x))``
-    (the second step is absent, with ``ln_2`` and ``mlp`` None, when ``config.mlp`` is False)."""
+    The experts' weights are stored (in, out), gate and up interleaved along the last dim
+    (``gate_up_proj`` ``(E, C, 2I)``, gate at even columns), as gpt-oss ships them. Each
+    expert runs once on the tokens routed to it (a loop over experts: plain and exact on a CPU).
+    """
+    ALPHA = 1.702  # the sigmoid's slope in the experts' gate (gpt-oss)
 
     def __init__(self, config: GPTConfig):
         super().__init__()
-        self.ln_1 = _NORMS[config.norm](config)
+        C, E, width = config.n_embd, config.n_experts, config.intermediate_size or 4 * config.n_embd
+        self.top_k, self.clamp = config.experts_per_token, config.expert_clamp
+        self.router = nn.Linear(C, E, bias=True)
+        self.gate_up_proj = nn.Parameter(torch.empty(E, C, 2 * width))
+        self.gate_up_bias = nn.Parameter(torch.zeros(E, 2 * width))
+        self.down_proj = nn.Parameter(torch.empty(E, width, C))
+        self.down_bias = nn.Parameter(torch.zeros(E, C))
+        self.dropout = nn.Dropout(config.dropout)
+
+    @property
+    def out_weight(self) -> Tensor:
+        return self.down_proj
+
+    def forward(self, x: Tensor) -> Tensor:
+        B, T, C = x.shape
+        tokens = x.reshape(B * T, C)  # (N, C)
+        top, experts = self.router(tokens).topk(self.top_k, dim=-1)  # (N, k) logits and expert ids
+        weights = top.softmax(dim=-1)  # (N, k)
+        out = torch.zeros_like(tokens)  # (N, C)
+        for e in experts.unique().tolist():
+            token, slot = torch.where(experts == e)  # the tokens routed to expert e, and in which of their k
+            gate_up = tokens[token] @ self.gate_up_proj[e] + self.gate_up_bias[e]  # (n, 2I)
+            gate, up = gate_up[:, ::2].clamp(max=self.clamp), gate_up[:, 1::2].clamp(-self.clamp, self.clamp)
+            y = ((up + 1) * gate * torch.sigmoid(gate * self.ALPHA)) @ self.down_proj[e] + self.down_bias[e]  # (n, C)
+            out.index_add_(0, token, (y * weights[token, slot, None]).to(out.dtype))
+        return self.dropout(out.view(B, T, C))
+
+
+_MLPS = {"gelu": MLP, "swiglu": GatedMLP, "geglu": GatedMLP, "moe": MoE}  # config.mlp_kind -> the feed-forward block
+
+
+class Block(nn.Module):
+    """One transformer block, ``x + post(attn(pre(x)))`` then ``x + post(mlp(pre(x)))``, where
+    ``pre`` (``ln_1``, ``ln_2``) and ``post`` (``post_ln_1``, ``post_ln_2``) are norms or
+    identities by ``config.norm_position`` (the second step is absent, with ``ln_2``, ``mlp``
+    and ``post_ln_2`` None, when ``config.mlp`` is False). Layer ``i`` takes its window and
+    RoPE from the config."""
+
+    def __init__(self, config: GPTConfig, i: int):
+        super().__init__()
+        norm, where = config.norm_spec(), config.norm_position
+        make_pre = (lambda: norm(config.n_embd)) if where in ("pre", "sandwich") else nn.Identity
+        make_post = (lambda: norm(config.n_embd)) if where in ("sandwich", "post") else nn.Identity
+        rope_base, rope_scaling = config.layer_rope(i)
+        self.ln_1, self.post_ln_1 = make_pre(), make_post()
         self.attn = SelfAttention(config.n_embd, config.n_head, n_kv_head=config.n_kv_head, head_dim=config.head_dim,
                                   bias=config.bias if config.proj_bias is None else config.proj_bias,
                                   qkv_bias=config.bias if config.qkv_bias is None else config.qkv_bias,
-                                  dropout=config.dropout, rope=config.pos == "rope", rope_base=config.rope_base,
-                                  window=config.window, sink_tokens=config.sink_tokens, alibi=config.alibi,
+                                  dropout=config.dropout, scale=config.attn_scale, rope=config.pos == "rope",
+                                  rope_base=rope_base, rope_scaling=rope_scaling, rope_dims=config.rope_dims,
+                                  qk_norm=norm if config.qk_norm else None, qk_norm_over=config.qk_norm or "head",
+                                  window=config.layer_window(i), alibi=config.alibi,
+                                  sink_tokens=config.sink_tokens if config.layer_window(i) is not None else None,
                                   softcap=config.softcap, sinks=config.sinks, backend=config.backend)
-        self.ln_2 = self.mlp = None
+        self.ln_2 = self.mlp = self.post_ln_2 = None
         if config.mlp:
-            self.ln_2 = _NORMS[config.norm](config)
+            self.ln_2, self.post_ln_2 = make_pre(), make_post()
             self.mlp = _MLPS[config.mlp_kind](config)
 
     def forward(self, x: Tensor, *, key_padding_mask: Tensor | None = None, positions: Tensor | None = None,
                 cache: KVCache | None = None, prefix_len: int | Tensor | None = None,
                 shard: SequenceShard | None = None) -> Tensor:
-        x = x + self.attn(self.ln_1(x), key_padding_mask=key_padding_mask, positions=positions, cache=cache,
-                          prefix_len=prefix_len, shard=shard)
+        x = x + self.post_ln_1(self.attn(self.ln_1(x), key_padding_mask=key_padding_mask, positions=positions,
+                                         cache=cache, prefix_len=prefix_len, shard=shard))
         if self.mlp is not None:
-            x = x + self.mlp(self.ln_2(x))
+            x = x + self.post_ln_2(self.mlp(self.ln_2(x)))
         return x
 
 
@@ -201,9 +298,10 @@ class GPT(nn.Module):
         self.config = config
         self.wte = nn.Embedding(config.vocab_size, config.n_embd)
         self.wpe = nn.Embedding(config.block_size, config.n_embd) if config.pos == "learned" else None
+        self.ln_emb = config.norm_spec()(config.n_embd) if config.embedding_norm else None
         self.drop = nn.Dropout(config.dropout)
-        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
-        self.ln_f = _NORMS[config.norm](config)
+        self.blocks = nn.ModuleList(Block(config, i) for i in range(config.n_layer))
+        self.ln_f = config.norm_spec()(config.n_embd)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.lm_head.weight = self.wte.weight  # tied: one (V, C) matrix embeds and un-embeds
@@ -218,11 +316,13 @@ class GPT(nn.Module):
                 nn.init.normal_(module.weight, mean=0.0, std=0.02)
             if isinstance(module, nn.Linear) and module.bias is not None:
                 nn.init.zeros_(module.bias)
+            if isinstance(module, MoE):
+                nn.init.normal_(module.gate_up_proj, mean=0.0, std=0.02)
         residual_std = 0.02 / math.sqrt(2 * self.config.n_layer)
         for block in self.blocks:
             nn.init.normal_(block.attn.proj.weight, mean=0.0, std=residual_std)
             if block.mlp is not None:
-                nn.init.normal_(block.mlp.out_proj.weight, mean=0.0, std=residual_std)
+                nn.init.normal_(block.mlp.out_weight, mean=0.0, std=residual_std)
 
     def num_params(self, non_embedding: bool = False) -> int:
         """Number of parameters (a tied embedding/head counted once). ``non_embedding``
@@ -249,26 +349,26 @@ class GPT(nn.Module):
 
     @property
     def max_positions(self) -> int | None:
-        """The longest sequence the model can read: ``block_size`` with learned positions, None
-        (no limit) for a sliding-window model without them (RoPE or none), which decodes with a
-        rolling cache."""
-        return None if self.config.window is not None and self.wpe is None else self.config.block_size
+        """The longest sequence the model can read: ``block_size`` with learned positions or any
+        layer that sees every earlier token; None (no limit) when every layer slides over a window
+        and there are no learned positions, which decodes with rolling caches."""
+        every_layer_slides = all(block.attn.window is not None for block in self.blocks)
+        return None if every_layer_slides and self.wpe is None else self.config.block_size
 
     def new_cache(self, batch_size: int, max_len: int | None = None) -> list[KVCache | RollingKVCache]:
         """One empty cache per layer for ``batch_size`` rows, in the model's dtype and device: a
         :class:`KVCache` of up to ``max_len`` positions (default and maximum ``block_size``), or
-        for a sliding-window model a :class:`RollingKVCache` of ``window`` (+ sink) slots, which
-        takes any number of positions (``max_len`` is then ignored)."""
+        for a sliding-window layer a :class:`RollingKVCache` of ``window`` (+ sink) slots, which
+        takes any number of positions."""
         _validate.positive_int("batch_size", batch_size)
         w, cfg = self.wte.weight, self.config
-        if cfg.window is not None:
-            return [RollingKVCache(batch_size, block.attn.n_kv_head, cfg.window, block.attn.head_dim,
-                                   sink_tokens=cfg.sink_tokens or 0, dtype=w.dtype, device=w.device)
-                    for block in self.blocks]
         max_len = cfg.block_size if max_len is None else _validate.positive_int("max_len", max_len)
-        if max_len > cfg.block_size:
+        if max_len > cfg.block_size and self.max_positions is not None:
             raise ValueError(f"max_len={max_len} exceeds block_size={cfg.block_size}")
         return [KVCache(batch_size, block.attn.n_kv_head, max_len, block.attn.head_dim, dtype=w.dtype, device=w.device)
+                if block.attn.window is None else
+                RollingKVCache(batch_size, block.attn.n_kv_head, block.attn.window, block.attn.head_dim,
+                               sink_tokens=block.attn.sink_tokens or 0, dtype=w.dtype, device=w.device)
                 for block in self.blocks]
 
     def forward(self, idx: Tensor, targets: Tensor | None = None, *, attention_mask: Tensor | None = None,
@@ -293,7 +393,7 @@ class GPT(nn.Module):
         if mask is not None and self.config.sink_tokens and not bool(mask.all()):
             raise ValueError("sink_tokens are the first positions of the sequence, and left padding would make them "
                              "padding: run padded prompts separately, or pad on the right")
-        logits = self.lm_head(self._hidden(idx, mask, cache, past, prefix_len, shard))  # (B, T, V)
+        logits = self._logits(self._hidden(idx, mask, cache, past, prefix_len, shard))  # (B, T, V)
         if targets is None:
             return logits, None
         if not isinstance(targets, Tensor) or targets.shape != idx.shape or not _validate.is_integer(targets):
@@ -314,14 +414,24 @@ class GPT(nn.Module):
         else:
             positions = (mask.cumsum(dim=-1)[:, -T:] - 1).clamp(min=0)  # (B, T) real tokens before, 0 on padding
         x = self.wte(idx)  # (B, T, C)
+        if self.config.embedding_scale is not None:
+            x = x * torch.tensor(self.config.embedding_scale, dtype=x.dtype)  # the scale rounded to x's dtype
         if self.wpe is not None:
             x = x + self.wpe(positions)  # (B, T, C) + (T, C) or (B, T, C)
+        if self.ln_emb is not None:
+            x = self.ln_emb(x)
         x = self.drop(x)
         rope_positions = positions if self.wpe is None else None
         for i, block in enumerate(self.blocks):
             x = block(x, key_padding_mask=mask, positions=rope_positions, cache=None if cache is None else cache[i],
                       prefix_len=prefix_len, shard=shard)
         return self.ln_f(x)
+
+    def _logits(self, h: Tensor) -> Tensor:
+        """The LM head on hidden states ``h`` (..., C): logits (..., V), soft-capped if configured."""
+        logits = self.lm_head(h)
+        cap = self.config.logit_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def generate(self, idx: Tensor, max_new_tokens: int, *, temperature: float = 1.0, top_k: int | None = None,
                  top_p: float | None = None, eos_token: int | None = None, generator: torch.Generator | None = None,
@@ -375,7 +485,7 @@ class GPT(nn.Module):
         finished = None if eos_token is None else torch.zeros(B, dtype=torch.bool, device=idx.device)  # (B,)
         h = self._hidden(idx, None if mask is None else mask[:, :T], cache, 0)[:, -1]  # (B, C) prefill
         for step in range(max_new_tokens):
-            tok = next_token(self.lm_head(h), **sample)  # (B,)
+            tok = next_token(self._logits(h), **sample)  # (B,)
             if finished is not None:
                 tok = tok.masked_fill(finished, eos_token)
                 finished |= tok == eos_token
@@ -426,8 +536,9 @@ class GPT(nn.Module):
                                  f"this call has batch {B} and the model is {self.wte.weight.dtype} "
                                  f"on {self.wte.weight.device}")
             past = head.length
-            if head.max_len is not None and past + T > head.max_len:
-                raise ValueError(f"cache overflow: {past} cached + {T} new tokens > max_len={head.max_len}; "
+            limits = [c.max_len for c in cache if c.max_len is not None]  # rolling caches take any number
+            if limits and past + T > min(limits):
+                raise ValueError(f"cache overflow: {past} cached + {T} new tokens > max_len={min(limits)}; "
                                  f"use a larger cache or reset() it")
         if self.max_positions is not None and past + T > self.max_positions:
             raise ValueError(f"sequence of {past + T} tokens ({past} cached + {T} new) is longer than "

@@ -1,31 +1,151 @@
 """Rotary position embeddings (RoPE): rotate q and k by their absolute position.
 
-Channel pairs (d, d + D/2) are rotated by the angle ``pos * base ** (-2d / D)`` (the
-"rotate half" layout of GPT-NeoX and Llama). The score between a query at position m and a
-key at position n then depends on m - n only, so a cache or an offset changes nothing.
+Channel pairs (d, d + R/2) of the first R = ``rotary_dim`` channels of a head are rotated by the
+angle ``pos * inv_freq[d]`` (the "rotate half" layout of GPT-NeoX and Llama); the channels past R
+pass unchanged (partial rotary, Phi-3's ``partial_rotary_factor``). The score between a query at
+position m and a key at position n then depends on m - n only, so a cache or an offset changes
+nothing.
+
+``inv_freq[d] = base ** (-2d / R)``, changed by a ``scaling`` rule: a dict in ``transformers``'
+form (``rope_type`` and its parameters), for the context-extension schemes real models ship:
+
+- ``"default"``: none;
+- ``"linear"``: every frequency divided by ``factor``;
+- ``"llama3"``: low frequencies divided by ``factor``, high ones kept, a smooth ramp between
+  (``low_freq_factor``, ``high_freq_factor``, ``original_max_position_embeddings``);
+- ``"yarn"``: NTK-by-parts between interpolation and extrapolation (``beta_fast``,
+  ``beta_slow``, ``truncate``), and cos, sin multiplied by an attention factor
+  (``attention_factor``, else from ``factor``, ``mscale``, ``mscale_all_dim``);
+- ``"longrope"``: per-frequency factors, ``short_factor`` while the sequence (the largest
+  position + 1 of the call, as ``transformers`` decides it) fits ``original_max_position_embeddings``,
+  ``long_factor`` beyond, and an attention factor ``sqrt(1 + ln(factor) / ln(original))``.
 """
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import Tensor
 
+# rope_type -> the parameters it needs (beyond rope_type) and those it may have
+_REQUIRED = {"default": (), "linear": ("factor",),
+             "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+             "yarn": ("factor", "original_max_position_embeddings"),
+             "longrope": ("short_factor", "long_factor", "original_max_position_embeddings")}
+_OPTIONAL = {"yarn": ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "truncate"),
+             "longrope": ("factor", "attention_factor")}
+ROPE_TYPES = tuple(_REQUIRED)
 
-def rope_angles(positions: Tensor, head_dim: int, base: float = 10000.0) -> tuple[Tensor, Tensor]:
-    """cos and sin for integer ``positions`` (T,) or (B, T): each ``(1 or B, 1, T, D/2)``.
 
-    Angles are computed in float64 (cheap: T x D/2 values), so large positions stay exact;
+def check_scaling(scaling, rotary_dim: int) -> dict | None:
+    """``scaling`` as a RoPE rule (see the module docstring), or None for "default"; a
+    ValueError naming what is missing, unknown or of the wrong size."""
+    if scaling is None:
+        return None
+    if not isinstance(scaling, dict):
+        raise TypeError(f"rope_scaling must be a dict with a 'rope_type', got {type(scaling).__name__}")
+    rope_type = scaling.get("rope_type")
+    if rope_type not in _REQUIRED:
+        raise ValueError(f"rope_type must be one of {', '.join(map(repr, ROPE_TYPES))}, got {rope_type!r}")
+    missing = [key for key in _REQUIRED[rope_type] if scaling.get(key) is None]
+    unknown = sorted(set(scaling) - {"rope_type", *_REQUIRED[rope_type], *_OPTIONAL.get(rope_type, ())})
+    if missing or unknown:
+        got = [f"no {', '.join(missing)}"] * bool(missing) + [f"unknown {', '.join(unknown)}"] * bool(unknown)
+        raise ValueError(f"rope_type {rope_type!r} needs {', '.join(_REQUIRED[rope_type]) or 'no parameters'}; "
+                         f"got {' and '.join(got)}")
+    for key in ("short_factor", "long_factor"):
+        if key in scaling and len(scaling[key]) != rotary_dim // 2:
+            raise ValueError(f"rope {key} must hold rotary_dim / 2 = {rotary_dim // 2} factors, "
+                             f"got {len(scaling[key])}")
+    return None if rope_type == "default" else dict(scaling)
+
+
+def rope_frequencies(rotary_dim: int, base: float, scaling: dict | None = None,
+                     seq_len: int = 0) -> tuple[Tensor, float]:
+    """``inv_freq`` ``(R/2,)`` in float64 and the factor cos and sin are multiplied by, for a
+    call whose largest position is ``seq_len - 1`` (only longrope looks at it)."""
+    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim  # (R/2,)
+    inv_freq = base ** -exponents
+    rope_type = "default" if scaling is None else scaling["rope_type"]
+    if rope_type == "linear":
+        return inv_freq / scaling["factor"], 1.0
+    if rope_type == "llama3":
+        return _llama3(inv_freq, scaling), 1.0
+    if rope_type == "yarn":
+        return _yarn(inv_freq, rotary_dim, base, scaling)
+    if rope_type == "longrope":
+        original = scaling["original_max_position_embeddings"]
+        factors = scaling["long_factor" if seq_len > original else "short_factor"]
+        factor = scaling.get("factor") or 1.0
+        attention = scaling.get("attention_factor")
+        if attention is None:
+            attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+        return inv_freq / torch.tensor(factors, dtype=torch.float64), attention
+    return inv_freq, 1.0
+
+
+def _llama3(inv_freq: Tensor, s: dict) -> Tensor:
+    """Llama 3.1: wavelengths past ``original / low_freq_factor`` slowed by ``factor``, those
+    under ``original / high_freq_factor`` kept, the band between blended smoothly."""
+    factor, low, high, original = (s[k] for k in ("factor", "low_freq_factor", "high_freq_factor",
+                                                  "original_max_position_embeddings"))
+    wavelen = 2 * math.pi / inv_freq
+    slowed = torch.where(wavelen > original / low, inv_freq / factor, inv_freq)
+    smooth = (original / wavelen - low) / (high - low)
+    blended = (1 - smooth) * slowed / factor + smooth * slowed
+    medium = (wavelen >= original / high) & (wavelen <= original / low)
+    return torch.where(medium, blended, slowed)
+
+
+def _yarn(inv_freq: Tensor, rotary_dim: int, base: float, s: dict) -> tuple[Tensor, float]:
+    """YaRN: frequencies that turn fewer than ``beta_slow`` times over the original context are
+    interpolated (divided by ``factor``), those turning more than ``beta_fast`` times kept, a
+    linear ramp over the dimensions between; cos and sin scaled by the attention factor."""
+    factor, original = s["factor"], s["original_max_position_embeddings"]
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention = s.get("attention_factor")
+    if attention is None:
+        m, m_all = s.get("mscale"), s.get("mscale_all_dim")
+        attention = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+
+    def dim_of(rotations: float) -> float:  # the dimension that turns `rotations` times over the original context
+        return rotary_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = dim_of(s.get("beta_fast") or 32), dim_of(s.get("beta_slow") or 1)
+    if s.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rotary_dim - 1)
+    span = high - low if high != low else 0.001  # as transformers keeps the ramp finite
+    ramp = ((torch.arange(rotary_dim // 2, dtype=torch.float64) - low) / span).clamp(0, 1)  # (R/2,)
+    return inv_freq / factor * ramp + inv_freq * (1 - ramp), float(attention)
+
+
+def rope_angles(positions: Tensor, head_dim: int, base: float = 10000.0, *, scaling: dict | None = None
+                ) -> tuple[Tensor, Tensor]:
+    """cos and sin for integer ``positions`` (T,) or (B, T): each ``(1 or B, 1, T, R/2)`` for
+    R = ``head_dim`` rotated channels, with the scaling rule's attention factor in them.
+
+    Angles are computed in float64 (cheap: T x R/2 values), so large positions stay exact;
     :func:`apply_rope` casts them to its working precision.
     """
     if positions.dim() == 1:
         positions = positions[None]  # (1, T)
-    inv_freq = base ** (-torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float64) / head_dim)
-    angles = positions[:, None, :, None].double() * inv_freq  # (B, 1, T, D/2)
-    return angles.cos(), angles.sin()
+    seq_len = int(positions.max()) + 1 if scaling is not None and scaling["rope_type"] == "longrope" else 0
+    inv_freq, attention = rope_frequencies(head_dim, base, scaling, seq_len)
+    angles = positions[:, None, :, None].double() * inv_freq.to(positions.device)  # (B, 1, T, R/2)
+    cos, sin = angles.cos(), angles.sin()
+    return (cos, sin) if attention == 1.0 else (cos * attention, sin * attention)
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate ``x`` (B, H, T, D) by the angles of :func:`rope_angles`; same shape and dtype."""
+    """Rotate the first R = 2 · ``cos.shape[-1]`` channels of ``x`` (B, H, T, D) by the angles
+    of :func:`rope_angles` (the other D - R pass); same shape and dtype."""
     work = torch.promote_types(x.dtype, torch.float32)  # half inputs rotate in float32
-    x1, x2 = x.to(work).chunk(2, dim=-1)  # (B, H, T, D/2) each
+    R = 2 * cos.shape[-1]
+    x1, x2 = x[..., :R].to(work).chunk(2, dim=-1)  # (B, H, T, R/2) each
     cos, sin = cos.to(work), sin.to(work)
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+    rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)  # (B, H, T, R)
+    return rotated if R == x.shape[-1] else torch.cat([rotated, x[..., R:]], dim=-1)  # (B, H, T, D)

@@ -7,7 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from selfattn import SelfAttention
-from selfattn.model import GPT, GPTConfig, RMSNorm
+from selfattn.model import GPT, GPTConfig
+from selfattn.norms import RMSNorm
 
 from helpers.models import BACKENDS, VARIANTS, left_pad, scrambled, small
 
@@ -31,7 +32,7 @@ def test_a_block_is_described_by_data():  # Llama-shaped: RMSNorm, SwiGLU, head_
     assert block.attn.qkv.weight.shape == ((H + 2 * Hkv) * D, C) and block.attn.qkv.bias is not None
     assert block.attn.proj.weight.shape == (C, H * D) and block.attn.proj.bias is None
     assert isinstance(block.ln_1, RMSNorm) and isinstance(model.ln_f, RMSNorm) and not hasattr(block.ln_1, "bias")
-    assert [block.mlp.gate_proj.weight.shape, block.mlp.down_proj.weight.shape] == [(48, C), (C, 48)]
+    assert [block.mlp.gate_up_proj.weight.shape, block.mlp.down_proj.weight.shape] == [(2 * 48, C), (C, 48)]
     assert model.lm_head.weight is not model.wte.weight
     assert model.num_params() == GPT(dataclasses.replace(cfg, tie_embeddings=True)).num_params() + V * C
     qwen2 = GPT(small(qkv_bias=True, proj_bias=False, bias=True)).blocks[0].attn  # every bias but o_proj's

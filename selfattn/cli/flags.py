@@ -17,14 +17,17 @@ from selfattn._validate import field_type
 
 def add_flags(parser: argparse.ArgumentParser, cls: type, *, skip: tuple[str, ...] = (),
               title: str | None = None) -> None:
-    """Add one ``--flag`` per field of the dataclass ``cls`` (except ``skip``) in its own group,
-    titled ``title`` (default: the class name)."""
+    """Add one ``--flag`` per field of the dataclass ``cls`` (except ``skip``, and fields holding a
+    list or a dict, which a JSON ``--config`` sets) in its own group, titled ``title`` (default:
+    the class name)."""
     group = parser.add_argument_group(title or cls.__name__)
     comments = field_comments(cls)
     for f in dataclasses.fields(cls):
         if f.name in skip:
             continue
         base, optional = field_type(cls, f.name)
+        if base in (list, dict):
+            continue
         flag = "--" + f.name.replace("_", "-")
         help_text = f"{comments.get(f.name, '')} [{f.default!r}]".strip().replace("%", "%%")  # argparse formats it
         if base is bool:

@@ -1,0 +1,49 @@
+"""OLMo 2 (``model_type`` olmo2): a post-norm decoder with q/k norms over the whole projection.
+
+Each sublayer's output is normed before it joins the residual stream, ``x + norm(attn(x))`` and
+``x + norm(mlp(x))``, with no norm before it; q and k are each RMS-normed over all their heads
+(H·D and Hkv·D channels) before RoPE; every RMSNorm multiplies its weight in float32 before
+the cast back; a SwiGLU MLP; an untied head.
+
+Weights: as Llama's, with ``post_attention_layernorm`` -> ``post_ln_1`` and
+``post_feedforward_layernorm`` -> ``post_ln_2``.
+"""
+from __future__ import annotations
+
+import re
+
+from selfattn import _validate
+from selfattn.model import GPTConfig
+from selfattn.models import _config, _names, llama
+
+MODEL_TYPES = ("olmo2",)
+
+_DEFAULTS = dict(num_key_value_heads=None, hidden_act="silu", max_position_embeddings=2048, rms_norm_eps=1e-5,
+                 tie_word_embeddings=False, attention_bias=False, rope_theta=10000.0)  # transformers' Olmo2Config
+IGNORED = re.compile(r"$^")  # nothing
+IN_LAYER = {**llama.IN_LAYER, "post_ln_1": "post_attention_layernorm", "post_ln_2": "post_feedforward_layernorm"}
+
+
+def config(hf: dict, where: str) -> GPTConfig:
+    try:
+        return _config_of(hf)
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"{where}: {e}") from None
+
+
+def _config_of(hf: dict) -> GPTConfig:
+    c = _config.filled(hf, ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                            "num_attention_heads"), _DEFAULTS)
+    if c["hidden_act"] not in ("silu", "swish"):
+        raise ValueError(f"hidden_act {c['hidden_act']!r} is not supported; the SwiGLU MLP computes 'silu'")
+    n_head, n_layer = c["num_attention_heads"], _validate.positive_int("num_hidden_layers", c["num_hidden_layers"])
+    return GPTConfig(vocab_size=c["vocab_size"], block_size=c["max_position_embeddings"], n_layer=n_layer,
+                     n_head=n_head, n_embd=c["hidden_size"], n_kv_head=c["num_key_value_heads"] or n_head, bias=False,
+                     qkv_bias=c["attention_bias"], proj_bias=c["attention_bias"], pos="rope",
+                     **_config.rope(c, c["hidden_size"] // n_head), qk_norm="projection", mlp_kind="swiglu",
+                     intermediate_size=c["intermediate_size"], norm="rmsnorm", layer_norm_eps=c["rms_norm_eps"],
+                     norm_weight_in_float32=True, norm_position="post", tie_embeddings=c["tie_word_embeddings"])
+
+
+def sources(key: str, config: GPTConfig) -> list[str]:
+    return _names.sources(key, config, outside=llama.OUTSIDE, layer="model.layers.{i}.", in_layer=IN_LAYER)
