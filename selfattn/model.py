@@ -212,8 +212,12 @@ class MoE(nn.Module):
     both sides at ``expert_clamp``; the token's output is the weighted sum of its k experts'.
 
     The experts' weights are stored (in, out), gate and up interleaved along the last dim
-    (``gate_up_proj`` ``(E, C, 2I)``, gate at even columns), as gpt-oss ships them. Each
-    expert runs once on the tokens routed to it (a loop over experts: plain and exact on a CPU).
+    (``gate_up_proj`` ``(E, C, 2I)``, gate at even columns), as gpt-oss ships them. A loop over
+    the experts any token is routed to runs each on every token and adds its output where it was
+    routed (weight zero elsewhere, which adds an exact 0.0): gathering the routed tokens alone
+    would make the matrix product's shape, and so its rounding, depend on the other tokens'
+    routing, and a token's output must never move when a later token changes. It costs up to
+    ``E / k`` times the routed work on long prompts, nothing extra when decoding one token.
     """
     ALPHA = 1.702  # the sigmoid's slope in the experts' gate (gpt-oss)
 
@@ -239,11 +243,11 @@ class MoE(nn.Module):
         weights = top.softmax(dim=-1)  # (N, k)
         out = torch.zeros_like(tokens)  # (N, C)
         for e in experts.unique().tolist():
-            token, slot = torch.where(experts == e)  # the tokens routed to expert e, and in which of their k
-            gate_up = tokens[token] @ self.gate_up_proj[e] + self.gate_up_bias[e]  # (n, 2I)
+            weight = (weights * (experts == e)).sum(dim=-1, keepdim=True)  # (N, 1) expert e's weight, 0 if not routed
+            gate_up = tokens @ self.gate_up_proj[e] + self.gate_up_bias[e]  # (N, 2I)
             gate, up = gate_up[:, ::2].clamp(max=self.clamp), gate_up[:, 1::2].clamp(-self.clamp, self.clamp)
-            y = ((up + 1) * gate * torch.sigmoid(gate * self.ALPHA)) @ self.down_proj[e] + self.down_bias[e]  # (n, C)
-            out.index_add_(0, token, (y * weights[token, slot, None]).to(out.dtype))
+            y = ((up + 1) * gate * torch.sigmoid(gate * self.ALPHA)) @ self.down_proj[e] + self.down_bias[e]  # (N, C)
+            out += (y * weight).to(out.dtype)
         return self.dropout(out.view(B, T, C))
 
 

@@ -5,7 +5,7 @@ import torch
 from selfattn.kv_cache import KVCache, RollingKVCache
 from selfattn.sampling import next_token, top_k_filter, top_p_filter
 
-from helpers.models import BACKENDS, VARIANTS, left_pad, scrambled, small
+from helpers.models import BACKENDS, PAIRS, VARIANTS, left_pad, scrambled, small
 
 INF = float("inf")
 SPLITS = {"token-by-token": [5] + [1] * 11, "chunks": [4, 3, 1, 5, 3]}  # prefill, then the rest; 16 tokens
@@ -24,8 +24,7 @@ def decode(model, idx, splits, mask=None, cache=None):
 
 
 @pytest.mark.parametrize("split", SPLITS)
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("variant, backend", PAIRS)
 def test_cached_decoding_equals_full_forward(variant, backend, split):
     model = scrambled(small(backend=backend, **VARIANTS[variant]))
     idx = torch.randint(0, 61, (2, 16))
@@ -99,8 +98,7 @@ def test_new_cache_and_bad_caches():
         model(idx, cache=model.new_cache(2)[:1])
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("variant, backend", PAIRS)
 def test_greedy_generation_equals_recomputing_the_prefix(variant, backend):
     model = scrambled(small(backend=backend, **VARIANTS[variant]))
     idx = torch.randint(0, 61, (2, 5))

@@ -10,7 +10,7 @@ from selfattn import SelfAttention
 from selfattn.model import GPT, GPTConfig
 from selfattn.norms import RMSNorm
 
-from helpers.models import BACKENDS, VARIANTS, left_pad, scrambled, small
+from helpers.models import PAIRS, VARIANTS, left_pad, scrambled, small
 
 
 def test_structure_and_tied_head():
@@ -112,8 +112,7 @@ def test_model_is_causal(variant):
         assert (moved[:, t] - logits[:, t]).abs().amax() > 1e-3
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("variant, backend", PAIRS)
 def test_left_padded_batch_equals_each_prompt_alone(variant, backend):
     model = scrambled(small(backend=backend, **VARIANTS[variant]))
     prompts = [torch.randint(1, 61, (n,)) for n in (3, 9, 6)]

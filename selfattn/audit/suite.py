@@ -85,13 +85,27 @@ def builtin_cases(T: int, audit: dict, device: torch.device, B: int = 2, C: int 
 
 
 def model_cases(name: str, gpt: GPT, T: int, audit: dict, B: int = 2) -> list[Case]:
-    """A GPT's causality on random token ids, and its KV cache: a prompt of T // 2 tokens, the rest new."""
+    """A GPT's causality on random token ids; for each window its config says layers slide over,
+    the first such layer's attention against that window's rule (on random embeddings); its KV caches
+    (rolling for windowed layers): a prompt of T // 2 tokens, the rest new. A window of T or
+    more cannot be told from causality at T: its case is refused, naming the --seq-len it needs."""
     if T > gpt.config.block_size:
         raise ValueError(f"--seq-len {T} is more than {name}'s block_size={gpt.config.block_size}; pass "
                          f"--seq-len {gpt.config.block_size} or less")
     ids = torch.randint(0, gpt.config.vocab_size, (B, T))
-    return [_causal(name, gpt, ids, audit),
-            Case(f"{name} kv-cache", lambda: check_cache(gpt, ids[:, :T // 2], T - T // 2))]
+    cases = [_causal(name, gpt, ids, audit)]
+    first = {}  # window -> the first layer sliding over it
+    for i in range(gpt.config.n_layer):
+        first.setdefault(gpt.config.layer_window(i), i)
+    for window, i in sorted((w, i) for w, i in first.items() if w is not None):
+        attn, case = gpt.blocks[i].attn, f"{name} layer {i} window={window}"
+        if window >= T:
+            cases.append(Case(case, lambda: None, f"window {window} >= --seq-len {T}: pass --seq-len {window + 1} "
+                                                  f"or more to audit it"))
+            continue
+        x = torch.randn(B, T, attn.n_embd, dtype=attn.qkv.weight.dtype)  # (B, T, C)
+        cases.append(_causal(case, attn, x, audit, window=window, sink_tokens=attn.sink_tokens))
+    return cases + [Case(f"{name} kv-cache", lambda: check_cache(gpt, ids[:, :T // 2], T - T // 2))]
 
 
 def module_case(spec: str, audit: dict, shape: tuple[int, ...], window: int | None = None) -> Case:

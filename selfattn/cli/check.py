@@ -22,14 +22,16 @@ from selfattn.audit import suite
 from selfattn.audit.cache import CacheReport
 from selfattn.audit.causality import METHODS, CausalityReport
 
-SEQ_LEN = 16  # T of every audit unless --seq-len says otherwise
+SEQ_LEN = 16  # T of every audit unless --seq-len says otherwise (or a --ckpt model's window needs more)
+WINDOW_MAX = 512  # a --ckpt model's windows up to this raise the default T past them
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--method", choices=METHODS, default="both", help="perturbation, float64 jacobian, or both")
     p.add_argument("--atol", type=float, default=0.0, help="dependence up to this size counts as none")
     p.add_argument("--seq-len", type=int, default=None,
-                   help=f"sequence length T of every audit; unset: {SEQ_LEN}, or a --ckpt model's block_size if less")
+                   help=f"sequence length T of every audit; unset: {SEQ_LEN}, or for --ckpt past the model's smallest "
+                        f"window (up to {WINDOW_MAX}), at most its block_size")
     p.add_argument("--ckpt", metavar="PATH", default=None,
                    help="audit only a trained model: a run folder, a checkpoint file or a GPT-2 folder")
     p.add_argument("--module", metavar="PKG.MOD:FACTORY", default=None,
@@ -59,8 +61,9 @@ def main(args: argparse.Namespace) -> int:
         from selfattn.loading import load
 
         model = load(args.ckpt).model
-        if args.seq_len is None:
-            seq_len = min(seq_len, model.config.block_size)
+        if args.seq_len is None:  # long enough to tell the smallest window from causality, where that is cheap
+            windows = [b.attn.window for b in model.blocks if b.attn.window is not None and b.attn.window < WINDOW_MAX]
+            seq_len = min(max([seq_len] + [w + SEQ_LEN // 4 for w in windows]), model.config.block_size)
         cases = suite.model_cases(args.ckpt, model, seq_len, audit)  # a --seq-len beyond block_size is refused
     elif args.module:
         cases = [suite.module_case(args.module, audit, _parse_shape(args.shape, seq_len), args.window)]

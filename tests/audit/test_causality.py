@@ -415,7 +415,7 @@ def test_cache_agrees_with_the_full_forward(config):
     gpt, prompt = tiny_gpt(dropout=0.2, **config).train(), torch.randint(0, 32, (2, 5))  # dropout: eval is a must
     report = check_cache(gpt, prompt, 8)
     assert report.ok and report.first_step is None and report.first_layer is None, str(report)
-    assert report.errors.shape == (8, 5) and report.rtol == 16 * torch.finfo(torch.float32).eps
+    assert report.errors.shape == (8, 5) and report.rtol == 16 * torch.finfo(torch.float32).eps * 3  # per block
     assert report.layers == ("embeddings", "block 0", "block 1", "block 2", "logits")
     assert gpt.training
     greedy = torch.stack(list(gpt.eval().generate(prompt, 8, temperature=0.0)), dim=1)

@@ -93,7 +93,8 @@ def test_every_builtin_case_passes():
     for gpt in ("gpt", "gpt rope+gqa+window"):
         assert any(re.match(rf"{re.escape(gpt)} +per\+jac +ok +0 \| 0 ", line) for line in lines), gpt
         assert any(re.match(rf"{re.escape(gpt)} kv-cache +cache +ok ", line) for line in lines), gpt
-    n = len(backends) * len(OPTIONS) - sum(len(REFUSED.get(b, ())) for b in backends) + 4
+    assert any(re.match(r"gpt rope\+gqa\+window layer 0 window=4 +per\+jac +ok +0 \| 0 ", line) for line in lines)
+    n = len(backends) * len(OPTIONS) - sum(len(REFUSED.get(b, ())) for b in backends) + 5  # 2 gpts, 2 caches, 1 layer
     assert lines[-1] == f"{n} of {n} cases ok"
     assert any(re.match(r"triton +skipped: .*needs a CUDA device", line) for line in lines)  # and says why
 

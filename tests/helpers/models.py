@@ -12,7 +12,20 @@ VARIANTS = {  # name -> GPTConfig overrides
     "alibi-window": {"pos": "none", "alibi": True, "n_kv_head": 2, "window": 5},
     "llama-shaped": {"pos": "rope", "norm": "rmsnorm", "mlp_kind": "swiglu", "intermediate_size": 48, "head_dim": 16,
                      "n_kv_head": 2, "qkv_bias": True, "tie_embeddings": False, "window": 6},
+    "gemma-shaped": {"pos": "rope", "norm": "rmsnorm", "norm_offset": 1.0, "norm_weight_in_float32": True,
+                     "norm_position": "sandwich", "mlp_kind": "geglu", "intermediate_size": 48, "head_dim": 16,
+                     "n_kv_head": 2, "qk_norm": "head", "attn_scale": 0.3, "softcap": 5.0, "logit_softcap": 8.0,
+                     "embedding_scale": 32 ** 0.5, "window": 5, "window_layers": [True, False],
+                     "window_rope_base": 100.0, "rope_scaling": {"rope_type": "linear", "factor": 2.0}},
+    "post-norm-experts-sinks": {"pos": "rope", "norm": "rmsnorm", "norm_weight_in_float32": True,
+                                "norm_position": "post", "qk_norm": "projection", "mlp_kind": "moe", "n_experts": 4,
+                                "intermediate_size": 24, "sinks": True, "rope_dims": 4, "rope_scaling": {
+                                    "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8}},
+    "bloom-shaped": {"pos": "none", "alibi": True, "bias": True, "embedding_norm": True},
 }
+# every (variant, backend) pair a backend serves: SDPA computes no soft-capping or sinks (and says so)
+PAIRS = [(v, b) for v in VARIANTS for b in BACKENDS
+         if not (b == "sdpa" and (VARIANTS[v].get("softcap") or VARIANTS[v].get("sinks")))]
 
 
 def small(**kw) -> GPTConfig:
