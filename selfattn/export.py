@@ -34,7 +34,8 @@ import torch
 from selfattn import _files
 from selfattn.hf import to_hf
 from selfattn.model import GPT
-from selfattn.training.tokenizers import BPETokenizer, ByteTokenizer, _bytes_to_unicode, _import_tokenizers
+from selfattn.tokenizers import BPETokenizer, ByteTokenizer
+from selfattn.tokenizers.bpe import bytes_to_unicode, import_tokenizers
 
 EOT = "<|endoftext|>"
 PROBE_TOKENS = 64  # tokens the export is checked on: its logits against ours
@@ -121,8 +122,8 @@ def export(gpt: GPT, tokenizer: ByteTokenizer | BPETokenizer, out_dir: str | os.
 def byte_level_tokenizer():
     """The byte tokenizer as a ``tokenizers.Tokenizer``: a byte-level BPE over the 256 bytes,
     no merges, so token id = byte value."""
-    tokenizers = _import_tokenizers()
-    vocab = {char: byte for byte, char in _bytes_to_unicode().items()}
+    tokenizers = import_tokenizers()
+    vocab = {char: byte for byte, char in bytes_to_unicode().items()}
     tok = tokenizers.Tokenizer(tokenizers.models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = tokenizers.decoders.ByteLevel()
@@ -174,7 +175,7 @@ def _hf_tokenizer(tokenizer, block_size: int, eot: int | None):
     if isinstance(tokenizer, ByteTokenizer):
         tok = byte_level_tokenizer()
     else:
-        tok = _import_tokenizers().Tokenizer.from_str(tokenizer.tok.to_str())  # a copy: the caller's stays as it is
+        tok = import_tokenizers().Tokenizer.from_str(tokenizer.tok.to_str())  # a copy: the caller's stays as it is
     special = {} if eot is None else {"bos_token": EOT, "eos_token": EOT}
     return PreTrainedTokenizerFast(tokenizer_object=tok, model_max_length=block_size,
                                    clean_up_tokenization_spaces=False, **special)

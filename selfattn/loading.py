@@ -1,5 +1,5 @@
-"""One loader for every model path a command accepts: a run folder, a checkpoint file, or a
-local folder written by ``transformers``' ``save_pretrained``.
+"""One loader for every model path a command accepts: a run folder, a checkpoint file, a local
+folder written by ``transformers``' ``save_pretrained``, or a GGUF file of llama.cpp.
 
 - run folder of ``selfattn train``: its newest ``ckpt-*.safetensors``;
 - checkpoint file: ``ckpt-*.safetensors``, or a ``torch.save`` state dict (``.pt``, ``.pth``,
@@ -7,14 +7,18 @@ local folder written by ``transformers``' ``save_pretrained``.
 - ``transformers`` folder (a ``config.json`` with a ``model_type``), dispatched on its
   ``model_type``: ``gpt2`` through :func:`selfattn.hf.load_gpt2`, tokenizer from the folder's
   ``tokenizer.json`` or ``vocab.json`` + ``merges.txt``; the families of :mod:`selfattn.models`
-  (``llama``, ``mistral``, ``qwen2``) from ``config.json`` and ``model.safetensors`` (or its
-  shards) by their mapping, without ``transformers``, tokenizer from ``tokenizer.json`` when it
-  is a byte-level BPE (Qwen2's, Llama 3's), else none (:meth:`Loaded.require_tokenizer` says
-  so). Any other ``model_type`` is refused, naming it and the file.
+  from ``config.json`` and ``model.safetensors`` (or its shards) by their mapping, without
+  ``transformers`` (:mod:`selfattn.formats.hf_folder`): the tokenizer from ``tokenizer.json`` when
+  :class:`~selfattn.tokenizers.BPETokenizer` streams it (byte-level or SentencePiece-style BPE),
+  else none (:meth:`Loaded.require_tokenizer` says so); the bos, eos and chat template beside it.
+  Any other ``model_type`` is refused, naming it and the file;
+- GGUF file (``.gguf``, :mod:`selfattn.formats.gguf`): its metadata as a ``config.json`` and its
+  tensors, dequantised one at a time, by the same mapping; its tokenizer, bos, eos and chat
+  template from its metadata.
 
 A model loads whole or not at all: weights with a tensor missing or one the model lacks are
-refused, naming them. Each file is read once and its digest checked once; nothing is ever
-downloaded.
+refused, naming them. A family's weights are copied into the model one tensor at a time. Each
+file is read once and its digest checked once; nothing is ever downloaded.
 """
 from __future__ import annotations
 
@@ -25,9 +29,12 @@ from pathlib import Path
 
 from selfattn import _validate, models
 from selfattn._validate import one_line
+from selfattn.formats import hf_folder
+from selfattn.formats.jsonfile import json_object as _json_object
 from selfattn.model import GPT, GPTConfig
+from selfattn.tokenizers import BPETokenizer, ByteTokenizer, from_spec
+from selfattn.tokenizers.chat import ChatTemplate
 from selfattn.training import checkpoint
-from selfattn.training.tokenizers import BPETokenizer, ByteTokenizer, from_spec
 
 GPT2_EOT = "<|endoftext|>"  # GPT-2's end-of-text token: an empty prompt starts from it
 
@@ -38,14 +45,24 @@ class Loaded:
     model: GPT  # on the CPU, in training mode (call .eval() for inference)
     tokenizer: ByteTokenizer | BPETokenizer | None  # None: the folder has none this library reads
     start_token: int | None  # what an empty prompt starts from: a newline, <|endoftext|> or bos; None: none
-    source: Path  # the checkpoint file or transformers folder the weights came from
+    source: Path  # the checkpoint file, transformers folder or GGUF file the weights came from
+    eos: tuple[int, ...] = ()  # the tokens that end an answer (empty: none is known)
+    chat: ChatTemplate | None = None  # how a conversation is written for this model; None: it has no template
+    no_tokenizer: str = "it reads byte-level and SentencePiece-style BPE tokenizer.json files"  # why None
 
     def require_tokenizer(self) -> ByteTokenizer | BPETokenizer:
         """The tokenizer; a ValueError naming the source when the model came without one."""
         if self.tokenizer is None:
-            raise ValueError(f"{self.source} has no tokenizer selfattn can read (it reads byte-level BPE "
-                             f"tokenizer.json files), so this model cannot encode or decode text")
+            raise ValueError(f"{self.source} has no tokenizer selfattn can read ({self.no_tokenizer}), so this "
+                             f"model cannot encode or decode text")
         return self.tokenizer
+
+    def require_chat(self) -> ChatTemplate:
+        """The chat template; a ValueError naming the source when the model came without one."""
+        if self.chat is None:
+            raise ValueError(f"{self.source} has no chat template (tokenizer_config.json's chat_template, "
+                             f"chat_template.jinja or a GGUF file's tokenizer.chat_template)")
+        return self.chat
 
 
 def load(path: str | os.PathLike) -> Loaded:
@@ -57,6 +74,8 @@ def load(path: str | os.PathLike) -> Loaded:
     path = Path(path)
     if not path.exists():
         raise ValueError(f"{str(path)!r} does not exist (expected a run folder, a checkpoint file or a GPT-2 folder)")
+    if path.is_file() and path.suffix == ".gguf":
+        return _load_gguf(path)
     if path.is_dir():
         found = checkpoint.read_latest(path)  # checkpoints first: a run folder's config.json is our own
         if found is None and is_transformers_folder(path):
@@ -107,57 +126,51 @@ def _load_gpt2(path: Path) -> Loaded:
 
 def _load_family(path: Path) -> Loaded:
     """A folder of a family of :mod:`selfattn.models`: its config.json and safetensors weights,
-    mapped; its tokenizer when it is one this library reads, else None."""
+    mapped; its tokenizer when it is one this library reads, else None; its bos, eos, chat template."""
     config_file = path / "config.json"
-    hf = _json_object(config_file)
+    hf = hf_folder.config(path)
     family = models.FAMILIES[hf["model_type"]]
-    config = family.config(hf, str(config_file))
+    model = _family_model(family, hf, str(config_file))
+    models.load(family, hf_folder.Safetensors(path), model, str(path))
+    tokenizer = hf_folder.tokenizer(path)
+    bos, eos = hf_folder.special_ids(path, hf, model.config.vocab_size)
+    start = bos if bos is not None else None if tokenizer is None else _newline(tokenizer)  # else from a newline
+    return Loaded(model, tokenizer, start, path, eos, hf_folder.chat_template(path))
+
+
+def _load_gguf(path: Path) -> Loaded:
+    """A GGUF file: its metadata as a config.json and its tensors, mapped by the family's mapping; its
+    tokenizer (None, saying why, when this library reads no tokenizer of its kind), bos, eos, chat template."""
+    from selfattn.formats import gguf
+    from selfattn.tokenizers.gguf import from_metadata
+
+    file = gguf.read(path)
+    family = models.FAMILIES[file.config["model_type"]]
+    model = _family_model(family, file.config, f"{path} (its metadata as a config.json)")
+    models.load(family, file.tensors, model, str(path))
     try:
-        model = GPT(config)
+        tokenizer, why = from_metadata(file.metadata), ""
+    except ValueError as e:
+        tokenizer, why = None, str(e).removeprefix(f"{path}: ")
+    vocab, meta = model.config.vocab_size, file.metadata
+    special = {name: meta.value(f"tokenizer.ggml.{name}_token_id", int, None) for name in ("bos", "eos", "eot")}
+    special = {name: i for name, i in special.items() if i is not None and 0 <= i < vocab}
+    chat = None
+    if tokenizer is not None and "tokenizer.chat_template" in meta:
+        names = {f"{name}_token": tokenizer.tok.id_to_token(i) for name, i in special.items() if name != "eot"}
+        chat = ChatTemplate(meta.value("tokenizer.chat_template", str), names, f"{path} (tokenizer.chat_template)")
+    start = special.get("bos", None if tokenizer is None else _newline(tokenizer))
+    eos = tuple(dict.fromkeys(special[name] for name in ("eos", "eot") if name in special))
+    return Loaded(model, tokenizer, start, path, eos, chat, why or Loaded.no_tokenizer)
+
+
+def _family_model(family, hf: dict, where: str) -> GPT:
+    """The decoder ``hf`` (a config.json dict, read from ``where``) describes, its weights random."""
+    config = family.config(hf, where)
+    try:
+        return GPT(config)
     except (TypeError, ValueError) as e:  # sizes the attention refuses (heads, window)
-        raise type(e)(f"{config_file}: {e}") from None
-    model.load_state_dict(models.state_dict(family, _safetensors_weights(path), model, str(path)))
-    tokenizer = _byte_level_bpe(path)
-    bos = hf.get("bos_token_id")  # an empty prompt starts from it, else from a newline
-    has_bos = isinstance(bos, int) and not isinstance(bos, bool) and 0 <= bos < config.vocab_size
-    start = bos if has_bos else None if tokenizer is None else _newline(tokenizer)
-    return Loaded(model, tokenizer, start, path)
-
-
-def _safetensors_weights(folder: Path) -> dict:
-    """Every tensor of the folder's ``model.safetensors``, or of the shards its index names."""
-    index = folder / "model.safetensors.index.json"
-    names = sorted(set(_json_object(index).get("weight_map", {}).values())) if index.is_file() \
-        else ["model.safetensors"]
-    if not all((folder / name).is_file() for name in names):
-        pickles = sorted(p.name for p in folder.glob("pytorch_model*.bin"))
-        hint = (f": it holds its weights as a pickle ({pickles[0]}), which is never loaded. Convert it once, where "
-                f"you trust the file: AutoModelForCausalLM.from_pretrained('{folder}').save_pretrained('{folder}') "
-                f"writes model.safetensors") if pickles else ""
-        raise ValueError(f"{folder} has no {', '.join(n for n in names if not (folder / n).is_file())}{hint}")
-    try:
-        from safetensors.torch import load_file
-    except ImportError as e:
-        raise ImportError("reading a transformers folder needs 'safetensors': pip install 'selfattn[train]'") from e
-    tensors = {}
-    for name in names:
-        try:
-            tensors |= load_file(folder / name)
-        except Exception as e:  # the Rust reader raises its own types for malformed files
-            raise ValueError(f"{folder / name} cannot be read as safetensors ({one_line(e)})") from None
-    return tensors
-
-
-def _byte_level_bpe(folder: Path) -> BPETokenizer | None:
-    """The folder's ``tokenizer.json`` when it is a byte-level BPE (GPT-2's scheme, which
-    :class:`BPETokenizer` streams byte-exactly: Qwen2, Llama 3); None without one, or for
-    another kind (the SentencePiece-style BPE of Llama 2 and Mistral)."""
-    file = folder / "tokenizer.json"
-    if not file.is_file():
-        return None
-    spec = _json_object(file)
-    kinds = [(spec.get(part) or {}).get("type") for part in ("model", "decoder")]
-    return BPETokenizer.from_json(file.read_text(), str(file)) if kinds == ["BPE", "ByteLevel"] else None
+        raise type(e)(f"{where}: {e}") from None
 
 
 _FAMILIES = {"gpt2": _load_gpt2} | dict.fromkeys(models.FAMILIES, _load_family)  # model_type -> loader of its folders
@@ -182,16 +195,3 @@ def _run_config(folder: Path) -> dict:
     if not (folder / "tokenizer.json").is_file():
         raise ValueError(f"{config} names a BPE tokenizer, but there is no tokenizer.json beside it")
     return {"model": run["model"], "tokenizer": {"kind": "bpe", "json": (folder / "tokenizer.json").read_text()}}
-
-
-def _json_object(path: Path) -> dict:
-    """The JSON object in the file ``path``; ValueError naming the file when it holds none."""
-    try:
-        content = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: invalid JSON at line {e.lineno} column {e.colno}: {e.msg}") from None
-    except UnicodeDecodeError as e:
-        raise ValueError(f"{path}: not UTF-8 text (byte {e.start})") from None
-    if not isinstance(content, dict):
-        raise ValueError(f"{path}: expected a JSON object, got {type(content).__name__}")
-    return content

@@ -68,6 +68,33 @@ def test_no_import_cycle_between_files_of_the_package():
     assert _cycle(graph) is None, " -> ".join(_cycle(graph))
 
 
+# rooms below the loader (what they may not import): model files, tokenizers and formats know
+# nothing of the loader, training, the tools or the commands above them
+BELOW_THE_LOADER = ("selfattn.models", "selfattn.tokenizers", "selfattn.formats")
+ABOVE = ("selfattn.loading", "selfattn.export", "selfattn.training", "selfattn.audit", "selfattn.analysis",
+         "selfattn.bench", "selfattn.cli", "selfattn.hf")
+
+
+def _upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    """``a -> b`` for every module a of a room below the loader importing a module b above it."""
+    below = [m for m in graph if m.startswith(BELOW_THE_LOADER)]
+    return [f"{a} -> {b}" for a in sorted(below) for b in sorted(graph[a])
+            if b == "selfattn.training" or b.startswith(tuple(f"{r}." for r in ABOVE) + ABOVE)]
+
+
+def test_tokenizers_formats_and_models_import_nothing_above_them():
+    modules = _modules()
+    graph = {name: _imported(path, modules) - {name} for name, path in modules.items()}
+    assert {"selfattn.tokenizers", "selfattn.formats", "selfattn.models"} <= set(graph)
+    assert not _upward_imports(graph), "\n".join(_upward_imports(graph))
+    assert not [m for m in graph if m.startswith("selfattn.training.") and "token" in m]  # tokenizers left training
+
+
+def test_the_upward_import_finder_finds_one():  # negative control
+    graph = {"selfattn.formats.gguf": {"selfattn.training.checkpoint"}, "selfattn.loading": {"selfattn.formats"}}
+    assert _upward_imports(graph) == ["selfattn.formats.gguf -> selfattn.training.checkpoint"]
+
+
 def test_the_cycle_finder_finds_a_cycle():  # negative control
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
     assert _cycle({"a": {"b"}, "b": set()}) is None

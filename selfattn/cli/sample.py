@@ -2,9 +2,13 @@
 
 ``--ckpt`` takes a run folder of ``selfattn train`` (its newest checkpoint), one checkpoint
 file (``ckpt-*.safetensors``, or a ``torch.save`` state dict ``.pt`` beside the run's
-``config.json``), or a local folder written by ``transformers``' ``save_pretrained`` (GPT-2,
-Llama, Mistral, Qwen2; one without a tokenizer selfattn reads is refused, saying so; see
-:mod:`selfattn.loading`). Nothing is downloaded.
+``config.json``), a local folder written by ``transformers``' ``save_pretrained`` (GPT-2,
+Llama, Mistral, Qwen2, ...; one without a tokenizer selfattn reads is refused, saying so), or a
+GGUF file (see :mod:`selfattn.loading`). Nothing is downloaded.
+
+``--prompt`` continues a text; ``--chat`` asks a chat model a question: the model's chat template
+writes it as the user's message, followed by what starts the assistant's answer, and the answer
+is printed. Either way generation stops at the model's end-of-text token (eos) when it has one.
 
 Tokens are turned into bytes one at a time and decoded incrementally, so a character whose
 UTF-8 bytes span several tokens is printed whole once its last byte arrives. Past the
@@ -26,7 +30,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ckpt", required=True, metavar="PATH", default=argparse.SUPPRESS,
                    help="run folder, checkpoint file, or local GPT-2 folder saved by transformers")
     p.add_argument("--prompt", default="", metavar="TEXT",
-                   help="text to continue; empty: start from a newline (GPT-2: from <|endoftext|>)")
+                   help="text to continue; empty: start from a newline (GPT-2: from <|endoftext|>, others: bos)")
+    p.add_argument("--chat", default=None, metavar="TEXT",
+                   help="a message to a chat model, written with its chat template; prints its answer")
     p.add_argument("--max-new-tokens", type=int, default=300, metavar="N", help="tokens to generate")
     p.add_argument("--temperature", type=float, default=0.8, metavar="T", help="0 = greedy; higher = more random")
     p.add_argument("--top-k", type=int, default=None, metavar="K", help="sample among the k most likely tokens only")
@@ -41,10 +47,17 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
     check_sampling(args.temperature, args.top_k, args.top_p, flags=True)  # before anything is printed
     device = _validate.device(args.device)
+    if args.chat is not None and args.prompt:
+        raise ValueError("--chat and --prompt are two ways to start: pass one of them")
+    if args.chat is not None and not args.chat.strip():
+        raise ValueError("--chat needs a message, got an empty one")
     loaded = load(args.ckpt)
     tokenizer = loaded.require_tokenizer()
+    if args.chat is not None:
+        ids = tokenizer.encode(loaded.require_chat().render([{"role": "user", "content": args.chat}]))
+    else:
+        ids = tokenizer.encode(args.prompt, special=True) if args.prompt else [loaded.start_token]
     model = loaded.model.to(device).eval().decode_layout()  # inference only: the order batch-1 decoding reads fastest
-    ids = tokenizer.encode(args.prompt) if args.prompt else [loaded.start_token]
     if args.prompt and not ids:
         raise ValueError(f"--prompt {args.prompt!r} encodes to no token with the tokenizer of {loaded.source}")
     if ids == [None]:
@@ -58,8 +71,16 @@ def main(args: argparse.Namespace) -> int:
     sys.stdout.write(args.prompt)
     tokens = stream(model, ids, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                     top_p=args.top_p, generator=generator)
-    for piece in text_pieces(tokenizer, tokens):
+    for piece in text_pieces(tokenizer, until(tokens, loaded.eos)):
         sys.stdout.write(piece)
         sys.stdout.flush()
     sys.stdout.write("\n")
     return 0
+
+
+def until(tokens, stops: tuple[int, ...]):
+    """``tokens`` up to the first of ``stops`` (left out): generation ends there."""
+    for token in tokens:
+        if token in stops:
+            return
+        yield token

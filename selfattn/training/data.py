@@ -1,4 +1,4 @@
-"""Corpora: text in, memory-mapped token ids out (tokenizers: :mod:`selfattn.training.tokenizers`).
+"""Corpora: text in, memory-mapped token ids out (tokenizers: :mod:`selfattn.tokenizers`).
 
 - ``read_corpus(path)``: a text file, a folder of text files, or (``None``) the built-in
   corpus, the documentation that ships inside Python's standard library
@@ -22,7 +22,7 @@ from torch import Tensor
 
 from selfattn import _files
 from selfattn._seeds import stream_seed
-from selfattn.training.tokenizers import BPETokenizer, ByteTokenizer, from_spec
+from selfattn.tokenizers import BPETokenizer, ByteTokenizer, from_spec
 
 
 def read_corpus(path: str | os.PathLike | None) -> tuple[str, str]:

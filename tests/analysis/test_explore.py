@@ -22,7 +22,7 @@ from selfattn.analysis.heads import attention_maps, head_scores, rank_heads
 from selfattn.cli import main as cli
 from selfattn.loading import load
 from selfattn.model import GPT, GPTConfig
-from selfattn.training.tokenizers import BPETokenizer, ByteTokenizer
+from selfattn.tokenizers import BPETokenizer, ByteTokenizer
 
 from helpers.browser import chromium
 from helpers.gpt2 import gpt2_folder

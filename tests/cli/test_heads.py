@@ -9,7 +9,7 @@ from selfattn.analysis.heads import attention_maps, head_scores
 from selfattn.cli import main as cli
 from selfattn.model import GPT, GPTConfig
 from selfattn.training import checkpoint
-from selfattn.training.tokenizers import BPETokenizer
+from selfattn.tokenizers import BPETokenizer
 
 from helpers.gpt2 import gpt2_folder
 

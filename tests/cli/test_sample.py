@@ -8,7 +8,7 @@ import torch
 
 from selfattn import loading, sampling
 from selfattn.cli import main
-from selfattn.training.tokenizers import ByteTokenizer
+from selfattn.tokenizers import ByteTokenizer
 
 
 @pytest.fixture(scope="module")
@@ -124,7 +124,7 @@ def test_sample_from_a_local_gpt2_folder_matches_transformers(tmp_path, monkeypa
     import transformers
 
     from selfattn.training.data import read_corpus
-    from selfattn.training.tokenizers import BPETokenizer
+    from selfattn.tokenizers import BPETokenizer
 
     text, _ = read_corpus(None)
     bpe = BPETokenizer.train(text[:20_000], vocab_size=300)

@@ -8,7 +8,7 @@ def gpt2_folder(path: Path, *, n_layer: int = 2, n_head: int = 2, n_embd: int = 
     """A random GPT-2 saved in ``path``; its vocabulary is a small BPE's plus <|endoftext|>."""
     import transformers
 
-    from selfattn.training.tokenizers import BPETokenizer
+    from selfattn.tokenizers import BPETokenizer
 
     bpe = BPETokenizer.train("the cat sat on the mat. the dog sat on the log. " * 20, vocab_size=300)
     bpe.tok.add_special_tokens(["<|endoftext|>"])

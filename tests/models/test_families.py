@@ -17,7 +17,7 @@ import transformers  # noqa: E402  (the [hf] extra, part of [dev])
 from selfattn import loading  # noqa: E402
 from selfattn.cli import main  # noqa: E402
 from selfattn.model import RMSNorm  # noqa: E402
-from selfattn.training.tokenizers import BPETokenizer  # noqa: E402
+from selfattn.tokenizers import BPETokenizer  # noqa: E402
 
 transformers.logging.set_verbosity_error()
 WINDOW = 16  # Mistral's sliding window here: shorter than every sequence the checks run
@@ -176,17 +176,21 @@ def test_rotary_buffers_older_files_kept_are_ignored(tmp_path):  # control: noth
 def test_a_folder_without_a_readable_tokenizer_loads_and_text_commands_say_why_not(tmp_path, capsys):
     _, folder = saved("mistral", tmp_path / "model")
     assert loading.load(folder).tokenizer is None  # no tokenizer.json
-    (folder / "tokenizer.json").write_text(json.dumps({"model": {"type": "BPE"}, "decoder": {"type": "Metaspace"}}))
+    import tokenizers
+
+    words = tokenizers.Tokenizer(tokenizers.models.WordLevel({"[UNK]": 0, "the": 1, "cat": 2}, unk_token="[UNK]"))
+    words.decoder = tokenizers.decoders.WordPiece()
+    words.save(str(folder / "tokenizer.json"))
     loaded = loading.load(folder)
-    assert loaded.tokenizer is None  # SentencePiece-style (Llama 2, Mistral): not one BPETokenizer streams
+    assert loaded.tokenizer is None  # words, not bytes: not one BPETokenizer streams byte-exactly
     capsys.readouterr()
     for command in (["sample", "--prompt", "the cat", "--max-new-tokens", "2"],
                     ["heads", "--text", "the cat", "--out", str(tmp_path / "heads")]):
         assert main([command[0], "--ckpt", str(folder), *command[1:]]) == 2
         out, err = capsys.readouterr()
         assert out == "" and err == (f"selfattn {command[0]}: error: {folder} has no tokenizer selfattn can read "
-                                     f"(it reads byte-level BPE tokenizer.json files), so this model cannot encode "
-                                     f"or decode text\n")
+                                     f"(it reads byte-level and SentencePiece-style BPE tokenizer.json files), so "
+                                     f"this model cannot encode or decode text\n")
     assert main(["export", "--ckpt", str(folder), "--out", str(tmp_path / "hf")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "norm='rmsnorm': GPT-2 normalises with LayerNorm" in err

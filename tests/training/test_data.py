@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from selfattn.training import data
-from selfattn.training import tokenizers as toks
+from selfattn import tokenizers as toks
 
 TEXTS = ["", "hello", "héllo wörld", "日本語のテキスト", "emoji 🎉🧪 and ZWJ 👩‍👩‍👧", "e\u0301 combining",
          "tabs\tand\r\nCRLF", "\x00 NUL is text too", "Ελληνικά, русский, עברית, العربية"]
@@ -67,7 +67,7 @@ def test_bpe_vocab_size_is_checked():
 def test_byte_alphabet_matches_tokenizers_bytelevel():
     import tokenizers
 
-    table = toks._bytes_to_unicode()
+    table = toks.bpe.bytes_to_unicode()
     assert sorted(table) == list(range(256))
     assert len(set(table.values())) == 256  # a bijection
     assert set(table.values()) == set(tokenizers.pre_tokenizers.ByteLevel.alphabet())

@@ -1,0 +1,30 @@
+"""Tokenizers: text to token ids and back, byte-exactly, and the chat templates that turn a
+conversation into text.
+
+- :mod:`~selfattn.tokenizers.byte`: ``ByteTokenizer``, the 256 byte values of UTF-8;
+- :mod:`~selfattn.tokenizers.bpe`: ``BPETokenizer`` over a ``tokenizers.Tokenizer``: byte-level
+  BPE (GPT-2, Llama 3, Qwen2, SmolLM) trained locally or read from a ``tokenizer.json``, and the
+  SentencePiece-style pieces of Llama 2 and Mistral (``▁`` for a space, ``<0xNN>`` byte tokens);
+- :mod:`~selfattn.tokenizers.gguf`: the tokenizer a GGUF file describes in its metadata;
+- :mod:`~selfattn.tokenizers.chat`: chat templates, rendered as ``transformers`` renders them.
+
+Every tokenizer turns one token into its bytes (``token_bytes``), so text can be streamed token by
+token (:func:`selfattn.sampling.text_pieces`), and describes itself as a JSON-ready ``spec()`` that
+a checkpoint stores and :func:`from_spec` reads back.
+"""
+from __future__ import annotations
+
+from selfattn.tokenizers.bpe import BPETokenizer
+from selfattn.tokenizers.byte import ByteTokenizer
+
+__all__ = ["BPETokenizer", "ByteTokenizer", "from_spec"]
+
+
+def from_spec(spec: dict) -> ByteTokenizer | BPETokenizer:
+    """The tokenizer a checkpoint describes (the inverse of ``.spec()``)."""
+    kind = spec.get("kind")
+    if kind == "byte":
+        return ByteTokenizer()
+    if kind == "bpe":
+        return BPETokenizer.from_json(spec["json"])
+    raise ValueError(f"unknown tokenizer kind {kind!r}; expected 'byte' or 'bpe'")
