@@ -6,11 +6,12 @@
 ``pipeline("text-generation", model=DIR)`` work without a network, and ``selfattn sample
 --ckpt DIR`` reads the folder back (:mod:`selfattn.loading`).
 
-- The model becomes a ``GPT2LMHeadModel`` (:func:`selfattn.hf.to_hf`). A model without
-  biases is the same function as a GPT-2 whose biases are all zero, and exports as one.
-  Other configurations are refused, naming each field and what GPT-2 lacks for it. (Some
-  have a ``transformers`` home, e.g. Llama for RMSNorm, SwiGLU and rotary runs; exporting them
-  is not built yet, though ``selfattn`` reads Llama, Mistral and Qwen2 folders back.)
+- The model becomes a ``GPT2LMHeadModel`` (:func:`selfattn.hf.to_hf`) when GPT-2 can say it:
+  a model without biases is the same function as a GPT-2 whose biases are all zero, and
+  exports as one. Otherwise it becomes the first family of :data:`selfattn.models.writing.ARCHS`
+  whose ``config.json`` says all of it (a run of ``selfattn train --arch llama`` is a Llama),
+  its tensors named as that family names them. A model no family can say is refused, naming
+  each field GPT-2 lacks.
 - The byte tokenizer becomes a byte-level BPE whose vocabulary is the 256 bytes and which
   has no merges: token id = byte value, and any UTF-8 text round-trips. A BPE run exports
   its own ``tokenizer.json``. GPT-2's ``<|endoftext|>``, when the vocabulary has it, is the
@@ -23,7 +24,9 @@ work and again just before the rename, in case a run started there meanwhile.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import json
 import os
 import shutil
 from dataclasses import dataclass
@@ -34,6 +37,7 @@ import torch
 from selfattn import _files
 from selfattn.hf import to_hf
 from selfattn.model import GPT
+from selfattn.models import writing
 from selfattn.tokenizers import BPETokenizer, ByteTokenizer
 from selfattn.tokenizers.bpe import bytes_to_unicode, import_tokenizers
 
@@ -88,25 +92,23 @@ def export(gpt: GPT, tokenizer: ByteTokenizer | BPETokenizer, out_dir: str | os.
     out = Path(out_dir).absolute()
     check_target(out, force)
     reasons = unsupported(gpt.config)
-    if reasons:
-        raise ValueError("cannot export to transformers' GPT2LMHeadModel: " + "; ".join(reasons))
+    family = writing.folder_config(gpt.config) if reasons else None
+    if reasons and family is None:
+        raise ValueError("cannot export to transformers' GPT2LMHeadModel: " + "; ".join(reasons) +
+                         f"; and no family of {', '.join(writing.ARCHS)} computes this config either")
     if not isinstance(tokenizer, (ByteTokenizer, BPETokenizer)):  # a model loaded without one: architecture first
         raise TypeError(f"export expects a ByteTokenizer or BPETokenizer, got {type(tokenizer).__name__}")
     if tokenizer.vocab_size > gpt.config.vocab_size:
         raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model only "
                          f"vocab_size={gpt.config.vocab_size}")
-    with torch.random.fork_rng(devices=[]):  # building the models draws initial weights: leave the caller's RNG be
-        hf_model = to_hf(_with_zero_biases(gpt)).eval()
     eot = _eot(tokenizer)
-    hf_model.generation_config.bos_token_id = hf_model.generation_config.eos_token_id = eot
-    hf_model.generation_config.pad_token_id = eot
     hf_tokenizer = _hf_tokenizer(tokenizer, gpt.config.block_size, eot)
-    error = _logits_error(gpt, hf_model)
-
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        _save_quietly(hf_model, hf_tokenizer, tmp)
+        hf_model = _gpt2(gpt, eot) if family is None else _write_family(gpt, *family, eot, tmp)
+        error = _logits_error(gpt, hf_model)
+        _save_quietly(hf_model if family is None else None, hf_tokenizer, tmp)
         files = sorted(p.name for p in tmp.iterdir())
         mode = 0o666 & ~_umask()  # what a plain open() would give: safetensors writes its file 0600
         for name in files:
@@ -165,6 +167,32 @@ def _with_zero_biases(gpt: GPT) -> GPT:
     return twin.train(gpt.training)
 
 
+def _gpt2(gpt: GPT, eot: int | None):
+    """``gpt`` as a ``GPT2LMHeadModel`` in eval mode, ``eot`` its generation config's special token."""
+    with torch.random.fork_rng(devices=[]):  # building the models draws initial weights: leave the caller's RNG be
+        hf_model = to_hf(_with_zero_biases(gpt)).eval()
+    hf_model.generation_config.bos_token_id = hf_model.generation_config.eos_token_id = eot
+    hf_model.generation_config.pad_token_id = eot
+    return hf_model
+
+
+def _write_family(gpt: GPT, model_type: str, hf_config: dict, eot: int | None, folder: Path):
+    """Write ``gpt`` into ``folder`` as ``model_type``'s ``config.json``, ``model.safetensors`` and
+    ``generation_config.json``; return ``transformers``' model of the folder (eager attention), read
+    back to check it."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    folder.mkdir(parents=True)
+    special = dict(bos_token_id=eot, eos_token_id=eot, pad_token_id=eot)
+    (folder / "config.json").write_text(json.dumps({**hf_config, **special, "torch_dtype": "float32"}, indent=2))
+    (folder / "generation_config.json").write_text(json.dumps(special, indent=2))
+    tensors = {name: t.detach().float().cpu() for name, t in writing.folder_tensors(model_type, gpt).items()}
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    with torch.random.fork_rng(devices=[]), _no_progress_bar():
+        return AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager").eval()
+
+
 def _eot(tokenizer) -> int | None:
     return tokenizer.token_id(EOT) if isinstance(tokenizer, BPETokenizer) else None
 
@@ -194,14 +222,23 @@ def _logits_error(gpt: GPT, hf_model) -> float:
 
 
 def _save_quietly(hf_model, hf_tokenizer, folder: Path) -> None:
-    """``save_pretrained`` of both, without transformers' progress bar (a library prints nothing)."""
+    """``save_pretrained`` of the model (None: its files are written already) and the tokenizer,
+    without transformers' progress bar (a library prints nothing)."""
+    with _no_progress_bar():
+        if hf_model is not None:
+            hf_model.save_pretrained(folder)
+        hf_tokenizer.save_pretrained(folder)
+
+
+@contextlib.contextmanager
+def _no_progress_bar():
+    """transformers' progress bars off inside, as they were after."""
     from transformers.utils import logging
 
     shown = logging.is_progress_bar_enabled()
     logging.disable_progress_bar()
     try:
-        hf_model.save_pretrained(folder)
-        hf_tokenizer.save_pretrained(folder)
+        yield
     finally:
         if shown:
             logging.enable_progress_bar()

@@ -32,7 +32,7 @@ def main(args: argparse.Namespace) -> int:
     loaded = load(args.ckpt)
     if out == loaded.source or out in loaded.source.absolute().parents:
         raise ValueError(f"--out {args.out!r} holds the model being exported ({loaded.source}); choose another folder")
-    done = export(loaded.model, loaded.tokenizer, out, force=args.force)
+    done = export(loaded.model, loaded.require_tokenizer(), out, force=args.force)
     cfg = loaded.model.config
     print(f"selfattn export: {loaded.source} -> {args.out}")
     print(f"  {done.architecture}: {cfg.n_layer} layers x {cfg.n_head} heads, C={cfg.n_embd}, "

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from selfattn.cli import flags
 from selfattn.model import GPTConfig
+from selfattn.models.writing import ARCHS
 from selfattn.training import lock, parallel
 from selfattn.training.loop import PRESETS, Diverged, TrainConfig, TrainResult, resolve_configs, train
 
@@ -20,6 +21,9 @@ from selfattn.training.loop import PRESETS, Diverged, TrainConfig, TrainResult, 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=argparse.SUPPRESS, help="run folder [runs/<preset>, or runs/default]")
     p.add_argument("--preset", choices=sorted(PRESETS), default=None, help="model and training sizes to start from")
+    p.add_argument("--arch", choices=ARCHS, default=None,
+                   help="the block of a model family (over the preset's sizes); selfattn export then writes "
+                        "that family's transformers folder")
     p.add_argument("--config", default=None, metavar="FILE.json",
                    help='JSON {"model": {GPTConfig fields}, "train": {TrainConfig fields}} over the preset')
     p.add_argument("--resume", action="store_true",
@@ -33,7 +37,7 @@ def main(args: argparse.Namespace) -> int:
     out = Path(getattr(args, "out", None) or f"runs/{args.preset or 'default'}")
     with lock.hold(out):  # before the configs are read: another run may be saving (and pruning) there
         model_cfg, train_cfg, resume_from = resolve_configs(
-            out, preset=args.preset, config=args.config, resume=args.resume,
+            out, preset=args.preset, config=args.config, resume=args.resume, arch=args.arch,
             model_flags=flags.given(args, GPTConfig), train_flags=flags.given(args, TrainConfig))
         try:
             with _Progress() as progress:  # the bar is closed before anything else is printed

@@ -72,3 +72,34 @@ def _config_of(hf: dict) -> GPTConfig:
 
 def sources(key: str, config: GPTConfig) -> list[str]:
     return _names.sources(key, config, outside=llama.OUTSIDE, layer="model.layers.{i}.", in_layer=IN_LAYER)
+
+
+_CLASSES = {"gemma2": "Gemma2", "gemma3_text": "Gemma3"}
+
+
+def arch(model_type: str, sizes: dict) -> dict:
+    """The :class:`GPTConfig` fields of ``model_type``'s block (``sizes`` are the others')."""
+    return dict(pos="rope", norm="rmsnorm", norm_offset=1.0, norm_weight_in_float32=True, norm_position="sandwich",
+                mlp_kind="geglu", gelu_approximate="tanh", bias=False, qkv_bias=False, proj_bias=False,
+                tie_embeddings=True, embedding_scale=sizes["n_embd"] ** 0.5, layer_norm_eps=1e-6,
+                qk_norm="head" if model_type == "gemma3_text" else None)
+
+
+def hf_config(config: GPTConfig, model_type: str) -> dict:
+    """The ``config.json`` of ``model_type`` for ``config`` (read it back with :func:`config` to
+    know whether it says all of ``config``)."""
+    c, head_dim = config, config.head_dim or config.n_embd // config.n_head
+    rope = {"rope_type": "default", **(c.rope_scaling or {}), "rope_theta": c.rope_base}
+    if model_type == "gemma3_text":
+        local = {"rope_type": "default", "rope_theta": c.window_rope_base or c.rope_base}
+        rope = {"full_attention": rope, "sliding_attention": local}
+    slides = [c.layer_window(i) is not None for i in range(c.n_layer)]
+    return dict(architectures=[f"{_CLASSES[model_type]}ForCausalLM"], model_type=model_type,
+                vocab_size=c.vocab_size, hidden_size=c.n_embd, intermediate_size=c.intermediate_size or 4 * c.n_embd,
+                num_hidden_layers=c.n_layer, num_attention_heads=c.n_head, num_key_value_heads=c.n_kv_head or c.n_head,
+                head_dim=head_dim, hidden_activation={v: k for k, v in _GELU.items()}[c.gelu_approximate],
+                max_position_embeddings=c.block_size, rms_norm_eps=c.layer_norm_eps,
+                tie_word_embeddings=c.tie_embeddings, attention_bias=bool(c.qkv_bias),
+                query_pre_attn_scalar=round((c.attn_scale or head_dim ** -0.5) ** -2), sliding_window=c.window,
+                layer_types=[("sliding_attention" if s else "full_attention") for s in slides],
+                attn_logit_softcapping=c.softcap, final_logit_softcapping=c.logit_softcap, rope_parameters=rope)

@@ -84,3 +84,35 @@ def _config_of(hf: dict) -> GPTConfig:
 def sources(key: str, config: GPTConfig) -> list[str]:
     """The folder's tensors that make our tensor ``key`` (several: stacked along dim 0)."""
     return _names.sources(key, config, outside=OUTSIDE, layer="model.layers.{i}.", in_layer=IN_LAYER)
+
+
+_CLASSES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}
+
+
+def arch(model_type: str, sizes: dict) -> dict:
+    """The :class:`GPTConfig` fields of ``model_type``'s block (``sizes`` are the others')."""
+    return dict(pos="rope", norm="rmsnorm", mlp_kind="swiglu", bias=False, qkv_bias=model_type == "qwen2",
+                proj_bias=False, tie_embeddings=False, qk_norm="head" if model_type == "qwen3" else None)
+
+
+def hf_config(config: GPTConfig, model_type: str) -> dict:
+    """The ``config.json`` of ``model_type`` for ``config`` (whether it says all of ``config``
+    is for the caller to check, by reading it back with :func:`config`)."""
+    c = config
+    hf = dict(architectures=[f"{_CLASSES[model_type]}ForCausalLM"], model_type=model_type,
+              vocab_size=c.vocab_size, hidden_size=c.n_embd, intermediate_size=c.intermediate_size or 4 * c.n_embd,
+              num_hidden_layers=c.n_layer, num_attention_heads=c.n_head, num_key_value_heads=c.n_kv_head or c.n_head,
+              head_dim=c.head_dim or c.n_embd // c.n_head, hidden_act="silu", max_position_embeddings=c.block_size,
+              rms_norm_eps=c.layer_norm_eps, tie_word_embeddings=c.tie_embeddings,
+              rope_parameters={"rope_type": "default", **(c.rope_scaling or {}), "rope_theta": c.rope_base})
+    if model_type == "llama":
+        hf |= dict(attention_bias=bool(c.qkv_bias), mlp_bias=c.bias)
+    if model_type == "qwen3":
+        hf |= dict(attention_bias=bool(c.qkv_bias))
+    slides = [c.layer_window(i) is not None for i in range(c.n_layer)]
+    if model_type == "mistral":
+        hf |= dict(sliding_window=c.window)
+    elif model_type != "llama":
+        hf |= dict(use_sliding_window=c.window is not None, sliding_window=c.window, max_window_layers=0,
+                   layer_types=[("sliding_attention" if s else "full_attention") for s in slides])
+    return hf

@@ -47,3 +47,21 @@ def _config_of(hf: dict) -> GPTConfig:
 
 def sources(key: str, config: GPTConfig) -> list[str]:
     return _names.sources(key, config, outside=llama.OUTSIDE, layer="model.layers.{i}.", in_layer=IN_LAYER)
+
+
+def arch(model_type: str, sizes: dict) -> dict:
+    """The :class:`GPTConfig` fields of OLMo 2's block (``sizes`` are the others')."""
+    return dict(pos="rope", norm="rmsnorm", norm_weight_in_float32=True, norm_position="post", qk_norm="projection",
+                mlp_kind="swiglu", bias=False, qkv_bias=False, proj_bias=False, tie_embeddings=False)
+
+
+def hf_config(config: GPTConfig, model_type: str) -> dict:
+    """The ``config.json`` of OLMo 2 for ``config`` (read it back with :func:`config` to know
+    whether it says all of ``config``)."""
+    c = config
+    return dict(architectures=["Olmo2ForCausalLM"], model_type=model_type, vocab_size=c.vocab_size,
+                hidden_size=c.n_embd, intermediate_size=c.intermediate_size or 4 * c.n_embd,
+                num_hidden_layers=c.n_layer, num_attention_heads=c.n_head, num_key_value_heads=c.n_kv_head or c.n_head,
+                hidden_act="silu", max_position_embeddings=c.block_size, rms_norm_eps=c.layer_norm_eps,
+                tie_word_embeddings=c.tie_embeddings, attention_bias=bool(c.qkv_bias),
+                rope_parameters={"rope_type": "default", **(c.rope_scaling or {}), "rope_theta": c.rope_base})

@@ -39,6 +39,7 @@ from selfattn import _files, _plot, _validate
 from selfattn._seeds import stream_seed
 from selfattn.distributed import SequenceShard
 from selfattn.model import GPT, GPTConfig
+from selfattn.models import writing
 from selfattn.training import checkpoint, data, lock, parallel
 
 
@@ -131,15 +132,16 @@ OnEvent = Callable[[str, dict], None]
 
 
 def resolve_configs(out: str | os.PathLike, *, preset: str | None = None, config: str | None = None,
-                    resume: bool = False, model_flags: dict | None = None,
-                    train_flags: dict | None = None) -> tuple[GPTConfig, TrainConfig, Path | None]:
+                    resume: bool = False, model_flags: dict | None = None, train_flags: dict | None = None,
+                    arch: str | None = None) -> tuple[GPTConfig, TrainConfig, Path | None]:
     """(model config, train config, checkpoint to resume from or None), layered: dataclass
-    defaults < ``preset`` < the JSON file ``config`` < the flags; on ``resume``: the newest
-    checkpoint's configs < the flags (training fields, and model fields that change no shape)."""
+    defaults < ``preset`` < ``arch`` (a family's block, :func:`selfattn.models.writing.block`) <
+    the JSON file ``config`` < the flags; on ``resume``: the newest checkpoint's configs < the
+    flags (training fields, and model fields that change no shape)."""
     out, model_flags, train_flags = Path(out), model_flags or {}, train_flags or {}
     if resume:
-        if preset or config:
-            raise ValueError("--resume keeps the run's configs; drop --preset/--config and pass single flags")
+        if preset or config or arch:
+            raise ValueError("--resume keeps the run's configs; drop --preset/--config/--arch and pass single flags")
         found = checkpoint.read_latest(out)
         if found is None:
             raise ValueError(f"--resume: no checkpoint (ckpt-*.safetensors) in {str(out)!r}")
@@ -153,6 +155,9 @@ def resolve_configs(out: str | os.PathLike, *, preset: str | None = None, config
     if preset is not None and preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
     model_vals, train_vals = PRESETS[preset] if preset else ({}, {})
+    if arch is not None:
+        model_vals = {**model_vals, **writing.block(arch, {**dataclasses.asdict(GPTConfig()), **model_vals,
+                                                           **model_flags})}
     if config:
         model_vals, train_vals = _read_config_file(config, model_vals, train_vals)
     return (GPTConfig(**{**model_vals, **model_flags}), TrainConfig(**{**train_vals, **train_flags}), None)
