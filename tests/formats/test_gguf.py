@@ -16,6 +16,7 @@ from selfattn.cli import main  # noqa: E402
 from selfattn.formats import gguf as formats_gguf  # noqa: E402
 
 from helpers import gguf_files  # noqa: E402
+from helpers.alive import most_alive  # noqa: E402
 
 transformers.logging.set_verbosity_error()
 Q, V = gguf.GGMLQuantizationType, gguf.GGUFValueType
@@ -103,23 +104,13 @@ def test_the_metadata_becomes_the_config_and_the_tokenizer_comes_along(hf, vocab
 
 def test_loading_reads_one_tensor_at_a_time(hf, tmp_path, monkeypatch):
     file = formats_gguf.read(gguf_files.write(tmp_path / "m.gguf", hf))
-    alive, most, read = [], [0], formats_gguf.Tensors.__getitem__
-
-    def counted(self, name):
-        t = read(self, name)
-        alive.append(torch.utils.weak.WeakTensorKeyDictionary())
-        alive[-1][t] = None
-        most[0] = max(most[0], sum(len(d) for d in alive))  # tensors read and not yet freed, this one included
-        return t
-
-    monkeypatch.setattr(formats_gguf.Tensors, "__getitem__", counted)
+    most = most_alive(monkeypatch, formats_gguf.Tensors)
     family = models.FAMILIES["llama"]
     model = loading.GPT(family.config(file.config, "m"))
     models.load(family, file.tensors, model, "m")
     assert most[0] == 1, most
-    alive.clear()
     state = models.state_dict(family, file.tensors, model, "m")  # control: a whole state dict holds them all
-    assert most[0] > len(state) // 2
+    assert most[0] > len(state) // 2, most
 
 
 def _cut(path, keep):
