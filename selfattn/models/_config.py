@@ -7,9 +7,30 @@ key; the family's ``config`` adds the file.
 """
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 from selfattn.rope import ROPE_TYPES
 
 LAYER_TYPES = ("full_attention", "sliding_attention")  # transformers' names of the two kinds of layer
+
+
+def naming_the_file(read: Callable) -> Callable:
+    """A family's ``config(hf, where)`` from its ``read(hf) -> GPTConfig``: every TypeError or
+    ValueError of ``read`` (or of the decoder it describes) starts with ``where``, the file."""
+    @functools.wraps(read)
+    def config(hf: dict, where: str):
+        try:
+            return read(hf)
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"{where}: {e}") from None
+    return config
+
+
+def silu(c: dict) -> None:
+    """The SwiGLU MLP computes SiLU: a ValueError for another ``hidden_act``."""
+    if c["hidden_act"] not in ("silu", "swish"):  # one function, two names in transformers' ACT2FN
+        raise ValueError(f"hidden_act {c['hidden_act']!r} is not supported; the SwiGLU MLP computes 'silu'")
 
 
 def filled(hf: dict, required: tuple[str, ...], defaults: dict) -> dict:

@@ -10,8 +10,6 @@ Weights: the fused ``query_key_value`` interleaves q, k and v per head (rows ``(
 """
 from __future__ import annotations
 
-import re
-
 from torch import Tensor
 
 from selfattn import _validate
@@ -23,7 +21,6 @@ MODEL_TYPES = ("bloom",)
 BLOCK_SIZE = 2048  # BLOOM's training length; ALiBi itself sets no limit
 _DEFAULTS = dict(layer_norm_epsilon=1e-5, apply_residual_connection_post_layernorm=False,
                  tie_word_embeddings=True)  # what transformers' BloomConfig assumes
-IGNORED = re.compile(r"$^")  # nothing
 OUTSIDE = {"wte.weight": "transformer.word_embeddings.weight",
            "ln_emb.weight": "transformer.word_embeddings_layernorm.weight",
            "ln_emb.bias": "transformer.word_embeddings_layernorm.bias", "ln_f.weight": "transformer.ln_f.weight",
@@ -32,14 +29,9 @@ IN_LAYER = {"ln_1": "input_layernorm", "ln_2": "post_attention_layernorm", "attn
             "attn.proj": "self_attention.dense", "mlp.c_fc": "mlp.dense_h_to_4h", "mlp.c_proj": "mlp.dense_4h_to_h"}
 
 
-def config(hf: dict, where: str) -> GPTConfig:
-    try:
-        return _config_of(hf)
-    except (TypeError, ValueError) as e:
-        raise type(e)(f"{where}: {e}") from None
-
-
-def _config_of(hf: dict) -> GPTConfig:
+@_config.naming_the_file
+def config(hf: dict) -> GPTConfig:
+    """The decoder ``config.json`` (the dict ``hf``) describes; ``config(hf, where)`` names the file."""
     hf = {"n_layer": hf.get("num_hidden_layers"), "n_head": hf.get("num_attention_heads"), **hf}  # either name
     c = _config.filled(hf, ("vocab_size", "hidden_size", "n_layer", "n_head"), _DEFAULTS)
     if c["apply_residual_connection_post_layernorm"]:

@@ -13,8 +13,6 @@ Weights: as Llama's, plus ``post_attention_layernorm`` -> ``post_ln_1``,
 """
 from __future__ import annotations
 
-import re
-
 from selfattn import _validate
 from selfattn.model import GPTConfig
 from selfattn.models import _config, _names, llama
@@ -32,19 +30,13 @@ _DEFAULTS = {  # what transformers' Gemma2Config and Gemma3TextConfig assume
 }
 _SLIDES = {"gemma2": lambda c, i: (i + 1) % 2, "gemma3_text": lambda c, i: (i + 1) % c.get("sliding_window_pattern", 6)}
 _GELU = {"gelu_pytorch_tanh": "tanh", "gelu": "none"}  # transformers' ACT2FN name -> GELU's approximate
-IGNORED = re.compile(r"$^")  # nothing
 IN_LAYER = {**llama.IN_LAYER, "post_ln_1": "post_attention_layernorm", "ln_2": "pre_feedforward_layernorm",
             "post_ln_2": "post_feedforward_layernorm"}
 
 
-def config(hf: dict, where: str) -> GPTConfig:
-    try:
-        return _config_of(hf)
-    except (TypeError, ValueError) as e:
-        raise type(e)(f"{where}: {e}") from None
-
-
-def _config_of(hf: dict) -> GPTConfig:
+@_config.naming_the_file
+def config(hf: dict) -> GPTConfig:
+    """The decoder ``config.json`` (the dict ``hf``) describes; ``config(hf, where)`` names the file."""
     model_type = hf["model_type"]
     c = _config.filled(hf, ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                             "num_attention_heads"), _DEFAULTS[model_type])

@@ -12,8 +12,6 @@ Weights: as Llama's attention and norms, plus ``self_attn.sinks`` -> ``attn.sink
 """
 from __future__ import annotations
 
-import re
-
 from selfattn import _validate
 from selfattn.model import GPTConfig
 from selfattn.models import _config, _names, llama
@@ -25,20 +23,14 @@ _DEFAULTS = dict(num_key_value_heads=8, head_dim=64, hidden_act="silu", max_posi
                  num_experts_per_tok=4, swiglu_limit=7.0, rope_theta=150000.0,
                  rope_parameters={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
                                   "truncate": False, "original_max_position_embeddings": 4096})  # GptOssConfig's
-IGNORED = re.compile(r"$^")  # nothing
 IN_LAYER = {**llama.IN_LAYER, "attn.sinks": "self_attn.sinks", "mlp.gate_up_proj": "mlp.experts.gate_up_proj",
             "mlp.gate_up_bias": "mlp.experts.gate_up_proj_bias", "mlp.down_proj": "mlp.experts.down_proj",
             "mlp.down_bias": "mlp.experts.down_proj_bias"}
 
 
-def config(hf: dict, where: str) -> GPTConfig:
-    try:
-        return _config_of(hf)
-    except (TypeError, ValueError) as e:
-        raise type(e)(f"{where}: {e}") from None
-
-
-def _config_of(hf: dict) -> GPTConfig:
+@_config.naming_the_file
+def config(hf: dict) -> GPTConfig:
+    """The decoder ``config.json`` (the dict ``hf``) describes; ``config(hf, where)`` names the file."""
     c = _config.filled(hf, ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                             "num_attention_heads", "num_local_experts"), _DEFAULTS)
     n_head, n_layer = c["num_attention_heads"], _validate.positive_int("num_hidden_layers", c["num_hidden_layers"])

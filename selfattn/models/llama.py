@@ -53,20 +53,13 @@ IN_LAYER = {"ln_1": "input_layernorm", "ln_2": "post_attention_layernorm",
             "mlp.gate_up_proj": ["mlp.gate_proj", "mlp.up_proj"]}  # in layer i; the rest keep their names
 
 
-def config(hf: dict, where: str) -> GPTConfig:
+@_config.naming_the_file
+def config(hf: dict) -> GPTConfig:
     """The decoder ``config.json`` (the dict ``hf``, read from ``where``) describes; a
     ValueError or TypeError naming ``where`` for what it cannot compute."""
-    try:
-        return _config_of(hf)
-    except (TypeError, ValueError) as e:
-        raise type(e)(f"{where}: {e}") from None
-
-
-def _config_of(hf: dict) -> GPTConfig:
     model_type = hf["model_type"]
     c = _config.filled(hf, _REQUIRED, _DEFAULTS[model_type])
-    if c["hidden_act"] not in ("silu", "swish"):  # one function, two names in transformers' ACT2FN
-        raise ValueError(f"hidden_act {c['hidden_act']!r} is not supported; the SwiGLU MLP computes 'silu'")
+    _config.silu(c)
     n_head, n_layer = c["num_attention_heads"], _validate.positive_int("num_hidden_layers", c["num_hidden_layers"])
     if model_type.startswith("qwen") and not c["use_sliding_window"]:
         c["sliding_window"] = None  # as transformers' Qwen configs do

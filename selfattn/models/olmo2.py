@@ -10,8 +10,6 @@ Weights: as Llama's, with ``post_attention_layernorm`` -> ``post_ln_1`` and
 """
 from __future__ import annotations
 
-import re
-
 from selfattn import _validate
 from selfattn.model import GPTConfig
 from selfattn.models import _config, _names, llama
@@ -20,22 +18,15 @@ MODEL_TYPES = ("olmo2",)
 
 _DEFAULTS = dict(num_key_value_heads=None, hidden_act="silu", max_position_embeddings=2048, rms_norm_eps=1e-5,
                  tie_word_embeddings=False, attention_bias=False, rope_theta=10000.0)  # transformers' Olmo2Config
-IGNORED = re.compile(r"$^")  # nothing
 IN_LAYER = {**llama.IN_LAYER, "post_ln_1": "post_attention_layernorm", "post_ln_2": "post_feedforward_layernorm"}
 
 
-def config(hf: dict, where: str) -> GPTConfig:
-    try:
-        return _config_of(hf)
-    except (TypeError, ValueError) as e:
-        raise type(e)(f"{where}: {e}") from None
-
-
-def _config_of(hf: dict) -> GPTConfig:
+@_config.naming_the_file
+def config(hf: dict) -> GPTConfig:
+    """The decoder ``config.json`` (the dict ``hf``) describes; ``config(hf, where)`` names the file."""
     c = _config.filled(hf, ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                             "num_attention_heads"), _DEFAULTS)
-    if c["hidden_act"] not in ("silu", "swish"):
-        raise ValueError(f"hidden_act {c['hidden_act']!r} is not supported; the SwiGLU MLP computes 'silu'")
+    _config.silu(c)
     n_head, n_layer = c["num_attention_heads"], _validate.positive_int("num_hidden_layers", c["num_hidden_layers"])
     return GPTConfig(vocab_size=c["vocab_size"], block_size=c["max_position_embeddings"], n_layer=n_layer,
                      n_head=n_head, n_embd=c["hidden_size"], n_kv_head=c["num_key_value_heads"] or n_head, bias=False,

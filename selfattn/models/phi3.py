@@ -8,8 +8,6 @@ window over every layer when ``sliding_window`` is set; an untied head.
 """
 from __future__ import annotations
 
-import re
-
 from selfattn import _validate
 from selfattn.model import GPTConfig
 from selfattn.models import _config, _names, llama
@@ -19,22 +17,15 @@ MODEL_TYPES = ("phi3",)
 _DEFAULTS = dict(num_key_value_heads=None, hidden_act="silu", max_position_embeddings=4096,
                  original_max_position_embeddings=4096, rms_norm_eps=1e-5, tie_word_embeddings=False,
                  rope_theta=10000.0, sliding_window=None)  # what transformers' Phi3Config assumes
-IGNORED = re.compile(r"$^")  # nothing
 IN_LAYER = {**llama.IN_LAYER, "attn.qkv": "self_attn.qkv_proj", "mlp.gate_up_proj": "mlp.gate_up_proj"}
 
 
-def config(hf: dict, where: str) -> GPTConfig:
-    try:
-        return _config_of(hf)
-    except (TypeError, ValueError) as e:
-        raise type(e)(f"{where}: {e}") from None
-
-
-def _config_of(hf: dict) -> GPTConfig:
+@_config.naming_the_file
+def config(hf: dict) -> GPTConfig:
+    """The decoder ``config.json`` (the dict ``hf``) describes; ``config(hf, where)`` names the file."""
     c = _config.filled(hf, ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                             "num_attention_heads"), _DEFAULTS)
-    if c["hidden_act"] not in ("silu", "swish"):
-        raise ValueError(f"hidden_act {c['hidden_act']!r} is not supported; the SwiGLU MLP computes 'silu'")
+    _config.silu(c)
     params = dict(c.get("rope_scaling") or c.get("rope_parameters") or {})
     if params.get("rope_type", params.get("type")) in ("su", "yarn"):  # older names of longrope, as transformers reads
         params["rope_type"] = "longrope"
