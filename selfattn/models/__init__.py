@@ -7,7 +7,7 @@ One small file per family. Each has
   ValueError naming ``where`` (the file) and the key for anything the decoder cannot compute;
 - ``sources(key, config) -> list[str]``: the names of the folder's tensors that make our tensor
   ``key``, concatenated along dim 0 when there are several (q, k, v into the fused ``qkv``);
-- ``IGNORED``: a pattern of tensor names that carry no weights (buffers older files kept);
+- optionally ``IGNORED``: a pattern of tensor names that carry no weights (buffers older files kept);
 - optionally ``arrange(key, tensor, config) -> Tensor``: our tensor ``key`` made of its concatenated
   sources, rearranged (rows the folder interleaves otherwise, say); without it, as it is.
 
@@ -23,9 +23,10 @@ from torch import Tensor
 
 from selfattn._validate import listed
 from selfattn.model import GPT
-from selfattn.models import llama
+from selfattn.models import bloom, gemma, gpt_oss, llama, olmo2, phi3
 
-FAMILIES = {model_type: family for family in (llama,) for model_type in family.MODEL_TYPES}
+FAMILIES = {model_type: family for family in (llama, gemma, phi3, olmo2, bloom, gpt_oss)
+            for model_type in family.MODEL_TYPES}
 
 
 def load(family, tensors: Mapping[str, Tensor], model: GPT, where: str) -> None:
@@ -86,7 +87,8 @@ def _plan(family, tensors: Mapping[str, Tensor], model: GPT, where: str) -> list
             plan.append((key, names, like.data))
         else:
             reshaped.append(f"{' + '.join(names)} {' + '.join(str(s) for s in shapes)} instead of {tuple(like.shape)}")
-    unexpected = [name for name in tensors if name not in used and not family.IGNORED.fullmatch(name)]
+    ignored = getattr(family, "IGNORED", None)
+    unexpected = [name for name in tensors if name not in used and not (ignored and ignored.fullmatch(name))]
     wrong = [f"{kind} {listed(names)}" for kind, names in (("missing", missing), ("unexpected", unexpected),
                                                            ("of another shape", reshaped)) if names]
     if wrong:
