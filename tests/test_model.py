@@ -183,6 +183,17 @@ def test_bad_targets():
     ({"qkv_bias": 1}, TypeError, ["qkv_bias", "1"]),
     ({"proj_bias": "no"}, TypeError, ["proj_bias", "'no'"]),
     ({"tie_embeddings": None}, TypeError, ["tie_embeddings", "None"]),
+    ({"norm_position": "middle"}, ValueError, ["norm_position", "'middle'", "'sandwich'"]),
+    ({"qk_norm": "all"}, ValueError, ["qk_norm", "'all'", "'projection'"]),
+    ({"norm_offset": 1.0}, ValueError, ["norm_offset", "describe an RMSNorm"]),
+    ({"mlp_kind": "moe"}, TypeError, ["n_experts", "None"]),
+    ({"mlp_kind": "moe", "n_experts": 2, "experts_per_token": 3}, ValueError, ["experts_per_token=3", "n_experts=2"]),
+    ({"window_layers": [True, False]}, ValueError, ["window_layers", "window is None"]),
+    ({"window": 4, "window_layers": [True]}, ValueError, ["window_layers", "n_layer=2", "[True]"]),
+    ({"pos": "rope", "rope_scaling": {"rope_type": "ntk"}}, ValueError, ["rope_type", "'ntk'", "'yarn'"]),
+    ({"pos": "rope", "rope_dims": 9}, ValueError, ["even number of rotated channels", "9"]),
+    ({"embedding_scale": -1.0}, ValueError, ["embedding_scale", "-1.0"]),
+    ({"logit_softcap": 0}, ValueError, ["logit_softcap", "0"]),
 ])
 def test_bad_config(kw, error, words):
     with pytest.raises(error) as info:
