@@ -22,7 +22,6 @@ file is read once and its digest checked once; nothing is ever downloaded.
 """
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path

@@ -17,7 +17,7 @@ COMMANDS = {  # name -> one-line help; the module is selfattn.cli.<name>
     "demo": "the seed's worked example, computed live: shape walk, parameters, causality",
     "check": "audit causality: every backend x option, a tiny GPT and its KV cache, or your module",
     "train": "train a GPT on text (built-in corpus or --data); torchrun for DDP/FSDP; --resume",
-    "sample": "stream text from a trained run or a local GPT-2 folder",
+    "sample": "stream text (or a chat answer) from a trained run, a transformers folder or a GGUF file",
     "bench": "benchmarks vs the peers, one run: attention T sweep, decode tokens/s, train tokens/s",
     "heads": "attention maps and ranked head roles (previous-token, induction) of a model",
     "induction": "train a 2-layer attention-only GPT until induction heads form; 4 heads vs 1",

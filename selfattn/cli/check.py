@@ -33,7 +33,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"sequence length T of every audit; unset: {SEQ_LEN}, or for --ckpt past the model's smallest "
                         f"window (up to {WINDOW_MAX}), at most its block_size")
     p.add_argument("--ckpt", metavar="PATH", default=None,
-                   help="audit only a trained model: a run folder, a checkpoint file or a GPT-2 folder")
+                   help="audit only a trained model: run folder, checkpoint file, transformers folder or GGUF file")
     p.add_argument("--module", metavar="PKG.MOD:FACTORY", default=None,
                    help="audit only the module returned by this factory (called with no arguments)")
     p.add_argument("--shape", default=None,

@@ -23,7 +23,7 @@ from selfattn.loading import load
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ckpt", required=True, metavar="PATH", default=argparse.SUPPRESS,
-                   help="run folder, checkpoint file, or local GPT-2 folder saved by transformers")
+                   help="run folder, checkpoint file, local folder saved by transformers, or GGUF file")
     given = p.add_mutually_exclusive_group()
     given.add_argument("--text", default=None, help="text to look at (default: random tokens, repeated twice)")
     given.add_argument("--repeat", type=int, default=32, metavar="N",

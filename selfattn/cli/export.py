@@ -19,7 +19,7 @@ from selfattn.loading import load
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ckpt", required=True, metavar="PATH", default=argparse.SUPPRESS,
-                   help="run folder, checkpoint file, or local GPT-2 folder saved by transformers")
+                   help="run folder, checkpoint file, local folder saved by transformers, or GGUF file")
     p.add_argument("--out", required=True, metavar="DIR", default=argparse.SUPPRESS,
                    help="the folder to write (created; must be empty unless --force; never a run folder)")
     p.add_argument("--force", action="store_true",

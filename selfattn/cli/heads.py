@@ -35,7 +35,7 @@ TABLE_UP_TO = 64  # print the per-head table for models with at most this many h
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ckpt", required=True, metavar="PATH",
-                   help="run folder, checkpoint file, or local GPT-2 folder saved by transformers")
+                   help="run folder, checkpoint file, local folder saved by transformers, or GGUF file")
     p.add_argument("--text", default=None, help="text to look at (default: random tokens, repeated twice)")
     p.add_argument("--length", type=int, default=16,
                    help="without --text: how many random tokens, shown twice (sequence of 2 * length)")

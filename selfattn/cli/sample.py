@@ -28,7 +28,7 @@ from selfattn.sampling import check_sampling, stream, text_pieces
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ckpt", required=True, metavar="PATH", default=argparse.SUPPRESS,
-                   help="run folder, checkpoint file, or local GPT-2 folder saved by transformers")
+                   help="run folder, checkpoint file, local folder saved by transformers, or GGUF file")
     p.add_argument("--prompt", default="", metavar="TEXT",
                    help="text to continue; empty: start from a newline (GPT-2: from <|endoftext|>, others: bos)")
     p.add_argument("--chat", default=None, metavar="TEXT",

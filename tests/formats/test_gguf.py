@@ -14,9 +14,11 @@ import transformers  # noqa: E402
 from selfattn import loading, models  # noqa: E402
 from selfattn.cli import main  # noqa: E402
 from selfattn.formats import gguf as formats_gguf  # noqa: E402
+from selfattn.sampling import text_pieces  # noqa: E402
 
 from helpers import gguf_files  # noqa: E402
 from helpers.alive import most_alive  # noqa: E402
+from helpers.sentencepiece import TEXTS, sentencepiece  # noqa: E402
 
 transformers.logging.set_verbosity_error()
 Q, V = gguf.GGMLQuantizationType, gguf.GGUFValueType
@@ -123,7 +125,8 @@ def _cut(path, keep):
     (lambda p: _cut(p, -100), ["truncated GGUF file", "tensor output_norm.weight needs bytes up to"]),
     (lambda p: _cut(p, 300), ["truncated GGUF file", "the metadata field after llama.", "needs bytes up to"]),
     (lambda p: _cut(p, 2), ["not a GGUF file (it starts with b'GG', not b'GGUF')"]),
-    (lambda p: p.write_bytes(b"PK\x03\x04 a zip, not a model") and p, ["not a GGUF file (it starts with b'PK\\x03\\x04'"]),
+    (lambda p: p.write_bytes(b"PK\x03\x04 a zip, not a model") and p,
+     ["not a GGUF file (it starts with b'PK\\x03\\x04'"]),
 ])
 def test_a_damaged_or_foreign_file_is_one_line_naming_the_file_and_what_is_cut(hf, tmp_path, capsys, damage, words):
     path = damage(gguf_files.write(tmp_path / "m.gguf", hf))
@@ -181,12 +184,29 @@ def test_tensors_that_do_not_fit_are_refused_naming_them(hf, tmp_path, change, w
 
 
 def test_a_tokenizer_of_another_kind_loads_the_model_and_text_commands_say_why_not(hf, tmp_path, capsys):
-    path = gguf_files.write(tmp_path / "m.gguf", hf, metadata={"tokenizer.ggml.model": ("llama", V.STRING)})
+    path = gguf_files.write(tmp_path / "m.gguf", hf, metadata={"tokenizer.ggml.model": ("bert", V.STRING)})
     loaded = loading.load(path)
     assert loaded.tokenizer is None and loaded.chat is None
     capsys.readouterr()
     assert main(["sample", "--ckpt", str(path), "--prompt", "the", "--max-new-tokens", "2"]) == 2
     assert capsys.readouterr().err == (
-        f"selfattn sample: error: {path} has no tokenizer selfattn can read (tokenizer.ggml.model 'llama' is not "
-        f"supported; this version reads gpt2 (byte-level BPE) tokenizers), so this model cannot encode or decode text\n")
+        f"selfattn sample: error: {path} has no tokenizer selfattn can read (tokenizer.ggml.model 'bert' is not "
+        f"supported; this version reads gpt2 (byte-level BPE) and llama (SentencePiece) tokenizers), so this model "
+        f"cannot encode or decode text\n")
     assert main(["check", "--ckpt", str(path)]) == 0  # what needs no text still runs
+
+
+def test_a_sentencepiece_tokenizer_gives_the_ids_transformers_makes_of_its_scores(tmp_path):
+    tok = sentencepiece("legacy")
+    tokens = [tok.id_to_token(i) for i in range(tok.get_vocab_size())]
+    kinds = [2 if t == "<unk>" else 3 if t in ("<s>", "</s>") else 6 if t.startswith("<0x") else 1 for t in tokens]
+    scores = [-float(i) for i in range(len(tokens))]  # earlier tokens, earlier merges
+    path = gguf_files.write(tmp_path / "sp.gguf", gguf_files.random_llama(len(tokens)),
+                            sentencepiece=(tokens, scores, kinds))
+    ours = loading.load(path).tokenizer
+    theirs = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file="sp.gguf")
+    for text in TEXTS:
+        ids = ours.encode(text)
+        assert ids == theirs.encode(text, add_special_tokens=False), text
+        assert "".join(text_pieces(ours, ids)).removeprefix(" ") == text
+    assert len(ours.encode(TEXTS[0])) < len(TEXTS[0]) / 2  # merged, not spelt out

@@ -8,9 +8,7 @@ import os
 os.environ["HF_HUB_OFFLINE"] = "1"
 
 import pytest  # noqa: E402
-import tokenizers  # noqa: E402
 import transformers  # noqa: E402
-from tokenizers import decoders, normalizers, pre_tokenizers, processors  # noqa: E402
 
 from selfattn import loading, models  # noqa: E402
 from selfattn.cli import main  # noqa: E402
@@ -19,42 +17,15 @@ from selfattn.sampling import text_pieces  # noqa: E402
 from selfattn.tokenizers.bpe import SENTENCEPIECE  # noqa: E402
 
 from helpers.alive import most_alive  # noqa: E402
+from helpers.sentencepiece import TEXTS, sentencepiece  # noqa: E402
 
 transformers.logging.set_verbosity_error()
-CORPUS = "the cat sat on the mat. the dog sat on the log. hello world, hello there!\n" * 30
-TEXTS = ["the cat sat", "hello  world,\n\nthe dog", "emoji 🎉 and ünï 42", " leading space"]
-SPECIALS = ["<unk>", "<s>", "</s>"]
 TEMPLATE = ("{{ bos_token }}{% for m in messages %}"
             "{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
             "{{ raise_exception('roles must alternate user/assistant') }}{% endif %}"
             "{% if m['role'] == 'user' %}[INST] {{ m['content'] | trim }} [/INST]"
             "{% else %}{% generation %} {{ m['content'] }}{% endgeneration %}{{ eos_token }}{% endif %}"
             "{% endfor %}{% if tools %}{{ tools | tojson }}{% endif %}")
-
-
-def sentencepiece(kind: str):
-    """A SentencePiece-style BPE as transformers writes Llama 2's (``legacy``: a normalizer that
-    prepends and replaces spaces, a decoder that replaces, falls back to bytes, fuses and strips) or
-    newer Mistral's (``metaspace``): byte-fallback tokens <0x00>..<0xFF> in the vocabulary."""
-    trainer = tokenizers.trainers.BpeTrainer(vocab_size=120, special_tokens=SPECIALS, show_progress=False)
-    base = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token="<unk>"))
-    base.pre_tokenizer = pre_tokenizers.Metaspace()
-    base.train_from_iterator([CORPUS], trainer)
-    model = json.loads(base.to_str())["model"]
-    vocab = dict(model["vocab"]) | {f"<0x{b:02X}>": len(model["vocab"]) + b for b in range(256)}
-    tok = tokenizers.Tokenizer(tokenizers.models.BPE(vocab, [tuple(m) for m in model["merges"]], unk_token="<unk>",
-                                                     byte_fallback=True, fuse_unk=True))
-    tok.add_special_tokens(SPECIALS)
-    if kind == "legacy":
-        tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
-        tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
-                                         decoders.Strip(" ", 1, 0)])
-    else:
-        tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first", split=False)
-        tok.decoder = decoders.Sequence([decoders.Metaspace(prepend_scheme="first", split=False),
-                                         decoders.ByteFallback(), decoders.Fuse()])
-    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
-    return tok
 
 
 def folder(path, kind="legacy", *, template=TEMPLATE, jinja=None, generation=None):
@@ -112,7 +83,8 @@ def test_chat_template_jinja_comes_before_tokenizer_config_json(tmp_path):
     path = folder(tmp_path / "m", jinja="{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}")
     messages = [{"role": "user", "content": "hi"}]
     theirs = transformers.AutoTokenizer.from_pretrained(path)
-    assert loading.load(path).chat.render(messages) == "<user>hi" == theirs.apply_chat_template(messages, tokenize=False)
+    expected = theirs.apply_chat_template(messages, tokenize=False)
+    assert loading.load(path).chat.render(messages) == "<user>hi" == expected
 
 
 def test_bos_and_eos_come_from_generation_config_json_then_config_json(tmp_path):

@@ -61,11 +61,12 @@ def gguf_name(name: str) -> str:
     raise AssertionError(f"no GGUF name for {name}")
 
 
-def write(path, hf, *, types=None, arch="llama", metadata=None, tensors=None, drop=()):
+def write(path, hf, *, types=None, arch="llama", metadata=None, tensors=None, drop=(), sentencepiece=None):
     """Write ``hf`` (a transformers Llama) as llama.cpp would, to ``path``: ``types`` maps a GGUF
     name pattern to the tensor's type (default F32); ``metadata`` adds or replaces fields
     ({key: (value, GGUFValueType)}); ``tensors`` replaces or adds tensors by GGUF name (numpy
-    arrays or (raw bytes, type)); ``drop``: GGUF names left out."""
+    arrays or (raw bytes, type)); ``drop``: GGUF names left out; ``sentencepiece``: (tokens, scores,
+    types) of a ``llama`` tokenizer (bos 1, eos 2) written instead of the byte-level BPE."""
     c, (tokens, merges, kinds) = hf.config, tokenizer()
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(c.num_hidden_layers)
@@ -78,12 +79,19 @@ def write(path, hf, *, types=None, arch="llama", metadata=None, tensors=None, dr
     w.add_rope_freq_base(c.rope_parameters["rope_theta"])
     w.add_rope_dimension_count(c.hidden_size // c.num_attention_heads)
     w.add_vocab_size(c.vocab_size)
-    w.add_tokenizer_model("gpt2")
+    if sentencepiece is None:
+        w.add_tokenizer_model("gpt2")
+        w.add_token_merges(merges)
+    else:
+        tokens, scores, kinds = sentencepiece
+        w.add_tokenizer_model("llama")
+        w.add_token_scores(scores)
+        w.add_unk_token_id(0)
     w.add_token_list(tokens)
-    w.add_token_merges(merges)
     w.add_token_types(kinds)
-    w.add_bos_token_id(len(tokens) - 2)
-    w.add_eos_token_id(len(tokens) - 1)
+    bos, eos = (len(tokens) - 2, len(tokens) - 1) if sentencepiece is None else (1, 2)
+    w.add_bos_token_id(bos)
+    w.add_eos_token_id(eos)
     w.add_chat_template(TEMPLATE)
     for key, (value, kind) in (metadata or {}).items():
         w.add_key_value(key, value, kind)
