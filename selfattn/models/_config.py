@@ -33,8 +33,12 @@ def silu(c: dict) -> None:
         raise ValueError(f"hidden_act {c['hidden_act']!r} is not supported; the SwiGLU MLP computes 'silu'")
 
 
-def filled(hf: dict, required: tuple[str, ...], defaults: dict) -> dict:
-    """``hf`` over the family's ``defaults``; a ValueError naming the ``required`` keys it lacks."""
+SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+
+
+def filled(hf: dict, defaults: dict, required: tuple[str, ...] = SIZES) -> dict:
+    """``hf`` over the family's ``defaults``; a ValueError naming the ``required`` keys it lacks
+    (by default the decoder's :data:`SIZES`, which no family assumes)."""
     absent = [key for key in required if hf.get(key) is None]
     if absent:
         raise ValueError(f"a {hf['model_type']} config.json needs {', '.join(absent)}")

@@ -31,9 +31,9 @@ IN_LAYER = {"ln_1": "input_layernorm", "ln_2": "post_attention_layernorm", "attn
 
 @_config.naming_the_file
 def config(hf: dict) -> GPTConfig:
-    """The decoder ``config.json`` (the dict ``hf``) describes; ``config(hf, where)`` names the file."""
+    """BLOOM's decoder that ``config.json`` (the dict ``hf``) describes; ``config(hf, where)`` names the file."""
     hf = {"n_layer": hf.get("num_hidden_layers"), "n_head": hf.get("num_attention_heads"), **hf}  # either name
-    c = _config.filled(hf, ("vocab_size", "hidden_size", "n_layer", "n_head"), _DEFAULTS)
+    c = _config.filled(hf, _DEFAULTS, ("vocab_size", "hidden_size", "n_layer", "n_head"))
     if c["apply_residual_connection_post_layernorm"]:
         raise ValueError("apply_residual_connection_post_layernorm is not supported: the residual stream carries "
                          "each block's input, not its normed input")

@@ -36,10 +36,9 @@ IN_LAYER = {**llama.IN_LAYER, "post_ln_1": "post_attention_layernorm", "ln_2": "
 
 @_config.naming_the_file
 def config(hf: dict) -> GPTConfig:
-    """The decoder ``config.json`` (the dict ``hf``) describes; ``config(hf, where)`` names the file."""
+    """The Gemma decoder that ``config.json`` (the dict ``hf``) describes; ``config(hf, where)`` names the file."""
     model_type = hf["model_type"]
-    c = _config.filled(hf, ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                            "num_attention_heads"), _DEFAULTS[model_type])
+    c = _config.filled(hf, _DEFAULTS[model_type])
     if c["hidden_activation"] not in _GELU:
         raise ValueError(f"hidden_activation {c['hidden_activation']!r} is not supported; the GeGLU MLP computes "
                          f"{', '.join(map(repr, _GELU))}")

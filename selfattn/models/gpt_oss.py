@@ -30,9 +30,8 @@ IN_LAYER = {**llama.IN_LAYER, "attn.sinks": "self_attn.sinks", "mlp.gate_up_proj
 
 @_config.naming_the_file
 def config(hf: dict) -> GPTConfig:
-    """The decoder ``config.json`` (the dict ``hf``) describes; ``config(hf, where)`` names the file."""
-    c = _config.filled(hf, ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                            "num_attention_heads", "num_local_experts"), _DEFAULTS)
+    """gpt-oss's decoder that ``config.json`` (the dict ``hf``) describes; ``config(hf, where)`` names the file."""
+    c = _config.filled(hf, _DEFAULTS, (*_config.SIZES, "num_local_experts"))
     n_head, n_layer = c["num_attention_heads"], _validate.positive_int("num_hidden_layers", c["num_hidden_layers"])
     slides = _config.layer_types(c, n_layer, lambda i: (i + 1) % 2)
     head_dim = c["head_dim"] or c["hidden_size"] // n_head

@@ -43,7 +43,6 @@ _SLIDES = {
     "qwen2": lambda c, i: i >= c["max_window_layers"],
     "qwen3": lambda c, i: i >= c["max_window_layers"],
 }
-_REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 IGNORED = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")  # a buffer older files kept
 OUTSIDE = {"wte.weight": "model.embed_tokens.weight", "ln_f.weight": "model.norm.weight",
            "lm_head.weight": "lm_head.weight"}  # our name -> theirs, outside the layers
@@ -58,7 +57,7 @@ def config(hf: dict) -> GPTConfig:
     """The decoder ``config.json`` (the dict ``hf``, read from ``where``) describes; a
     ValueError or TypeError naming ``where`` for what it cannot compute."""
     model_type = hf["model_type"]
-    c = _config.filled(hf, _REQUIRED, _DEFAULTS[model_type])
+    c = _config.filled(hf, _DEFAULTS[model_type])
     _config.silu(c)
     n_head, n_layer = c["num_attention_heads"], _validate.positive_int("num_hidden_layers", c["num_hidden_layers"])
     if model_type.startswith("qwen") and not c["use_sliding_window"]:

@@ -23,9 +23,8 @@ IN_LAYER = {**llama.IN_LAYER, "post_ln_1": "post_attention_layernorm", "post_ln_
 
 @_config.naming_the_file
 def config(hf: dict) -> GPTConfig:
-    """The decoder ``config.json`` (the dict ``hf``) describes; ``config(hf, where)`` names the file."""
-    c = _config.filled(hf, ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                            "num_attention_heads"), _DEFAULTS)
+    """OLMo 2's decoder that ``config.json`` (the dict ``hf``) describes; ``config(hf, where)`` names the file."""
+    c = _config.filled(hf, _DEFAULTS)
     _config.silu(c)
     n_head, n_layer = c["num_attention_heads"], _validate.positive_int("num_hidden_layers", c["num_hidden_layers"])
     return GPTConfig(vocab_size=c["vocab_size"], block_size=c["max_position_embeddings"], n_layer=n_layer,

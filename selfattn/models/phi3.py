@@ -22,9 +22,8 @@ IN_LAYER = {**llama.IN_LAYER, "attn.qkv": "self_attn.qkv_proj", "mlp.gate_up_pro
 
 @_config.naming_the_file
 def config(hf: dict) -> GPTConfig:
-    """The decoder ``config.json`` (the dict ``hf``) describes; ``config(hf, where)`` names the file."""
-    c = _config.filled(hf, ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                            "num_attention_heads"), _DEFAULTS)
+    """Phi-3's decoder that ``config.json`` (the dict ``hf``) describes; ``config(hf, where)`` names the file."""
+    c = _config.filled(hf, _DEFAULTS)
     _config.silu(c)
     params = dict(c.get("rope_scaling") or c.get("rope_parameters") or {})
     if params.get("rope_type", params.get("type")) in ("su", "yarn"):  # older names of longrope, as transformers reads
