@@ -3,7 +3,7 @@
 :func:`read` turns a file into what the families of :mod:`selfattn.models` map:
 
 - its metadata into a ``transformers``-style ``config.json`` dict (``general.architecture``
-  ``llama`` is ``model_type`` llama; ``llama.embedding_length`` is ``hidden_size``, and so on,
+  ``llama`` is ``model_type`` llama, ``qwen2`` is qwen2; ``llama.embedding_length`` is ``hidden_size``, and so on,
   see ``_CONFIG``; no ``output.weight`` tensor means tied embeddings; bos/eos from the tokenizer's
   fields);
 - its tensors into a lazy mapping under ``transformers``' names (``token_embd.weight`` is
@@ -12,7 +12,7 @@
   is known without reading it. Every type ``gguf.quants`` dequantises is read (F32, F16, BF16,
   Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, the K-quants, the IQ types, ...).
 
-llama.cpp's converter interleaves the rows of a Llama's ``attn_q`` and ``attn_k`` for its RoPE
+llama.cpp's converter interleaves the rows of a Llama's ``attn_q`` and ``attn_k`` for its RoPE (not Qwen2's)
 (each head's two rotated halves, pair by pair); they are put back in ``transformers``' order (first
 half, then second half) by reading the quantised rows in that order, so no extra copy is made.
 
@@ -33,7 +33,8 @@ from torch import Tensor
 from selfattn._validate import one_line
 
 MAGIC = b"GGUF"
-ARCHITECTURES = {"llama": "llama"}  # general.architecture -> the model_type it is; their q/k rows are interleaved
+ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2"}  # general.architecture -> the model_type it is
+INTERLEAVED = {"llama"}  # the architectures whose q/k rows llama.cpp's converter interleaves for its RoPE
 _REQUIRED = object()
 # config.json key -> (the GGUF field after "<architecture>.", its kind, default: _REQUIRED when none)
 _CONFIG = {
@@ -82,7 +83,8 @@ def read(path: str | Path) -> GGUF:
             raise ValueError(f"{path}: tensor {t.name} is of type {t.tensor_type.name}, which gguf cannot "
                              f"dequantise (it reads {', '.join(_readable_types())})")
     config = _config(metadata, arch, reader)
-    heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
+    heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]} \
+        if arch in INTERLEAVED else {}
     return GGUF(path, config, Tensors(reader, path, heads), metadata)
 
 

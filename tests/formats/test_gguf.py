@@ -77,6 +77,18 @@ def test_every_quantisation_type_matches_transformers_reading_the_same_file(hf, 
     assert (logits(ours, ids(vocab)) - logits(hf, ids(vocab))).abs().max() > 1e-3  # control: quantisation shows
 
 
+def test_a_qwen2_gguf_its_biases_and_rows_as_they_are_computes_what_transformers_does(vocab, tmp_path):
+    hf = gguf_files.random_llama(vocab, "Qwen2")
+    assert hf.model.layers[0].self_attn.q_proj.bias is not None  # Qwen2's q/k/v biases travel too
+    path = gguf_files.write(tmp_path / "qwen2.gguf", hf, arch="qwen2", types=TYPES)
+    loaded = loading.load(path)
+    assert loaded.model.config.qkv_bias and formats_gguf.read(path).config["model_type"] == "qwen2"
+    ref = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="qwen2.gguf", dtype=torch.float32)
+    expected = logits(ref.eval(), ids(vocab))
+    diff = (logits(loaded.model.eval(), ids(vocab)) - expected).abs().max().item()
+    assert expected.abs().max() > 1 and diff < 1e-4, diff
+
+
 def test_an_untied_head_greedy_decodes_as_transformers(vocab, tmp_path):
     hf = gguf_files.random_llama(vocab, tie_word_embeddings=False)
     loaded = loading.load(gguf_files.write(tmp_path / "m.gguf", hf))
@@ -142,7 +154,7 @@ def test_a_damaged_or_foreign_file_is_one_line_naming_the_file_and_what_is_cut(h
 @pytest.mark.parametrize("change, words", [
     (dict(tensors={"blk.1.ffn_norm.weight": np.ones(64, np.int32)}),
      "tensor blk.1.ffn_norm.weight is of type I32, which gguf cannot dequantise (it reads F32, F16, Q4_0"),
-    (dict(arch="falcon"), "general.architecture 'falcon' is not supported; this version reads llama GGUF files"),
+    (dict(arch="falcon"), "general.architecture 'falcon' is not supported; this version reads llama, qwen2 GGUF files"),
     (dict(metadata={"llama.rope.dimension_count": (8, V.UINT32)}),
      "llama.rope.dimension_count is 8, not the head size 16: RoPE on part of each head is not supported"),
     (dict(metadata={"llama.rope.scaling.type": ("yarn", V.STRING)}), "llama.rope.scaling.type 'yarn' is not supported"),

@@ -38,11 +38,12 @@ def tokenizer() -> tuple[list[str], list[str], list[int]]:
     return tokens, merges, [1] * (len(tokens) - len(SPECIALS)) + [3] * len(SPECIALS)
 
 
-def random_llama(vocab_size: int, **overrides) -> transformers.LlamaForCausalLM:
-    """transformers' Llama in eval mode, every weight scrambled so a misplaced row shows."""
-    config = transformers.LlamaConfig(vocab_size=vocab_size, **{**SIZES, **overrides})
+def random_llama(vocab_size: int, prefix: str = "Llama", **overrides):
+    """transformers' Llama (or another family of the same names: ``prefix`` "Qwen2") in eval mode,
+    every weight scrambled so a misplaced row shows."""
+    config = getattr(transformers, f"{prefix}Config")(vocab_size=vocab_size, **{**SIZES, **overrides})
     torch.manual_seed(0)
-    hf = transformers.LlamaForCausalLM(config).eval()
+    hf = getattr(transformers, f"{prefix}ForCausalLM")(config).eval()
     with torch.no_grad():
         for name, p in hf.named_parameters():
             p.copy_(torch.randn_like(p) * 0.1 + 1.0 if "norm" in name else torch.randn_like(p) * 0.2)
@@ -100,7 +101,7 @@ def write(path, hf, *, types=None, arch="llama", metadata=None, tensors=None, dr
         if name == "lm_head.weight" and c.tie_word_embeddings:
             continue
         a = t.float().numpy()
-        if ".q_proj." in name or ".k_proj." in name:
+        if arch == "llama" and (".q_proj." in name or ".k_proj." in name):
             a = interleave(a, c.num_attention_heads if ".q_proj." in name else c.num_key_value_heads)
         arrays[gguf_name(name)] = a
     arrays |= tensors or {}
