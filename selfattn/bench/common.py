@@ -1,5 +1,5 @@
-"""What every benchmark suite shares: the machine, the clock, the matmul ceiling, the
-correctness check, and the files a suite writes.
+"""What every benchmark suite shares: the machine, the clock, the matmul and memory-bandwidth
+ceilings, peak memory of a call, the correctness check, and the files a suite writes.
 
 Timing rules (all suites): pinned threads, a warm-up call of every implementation first,
 then repetitions *interleaved* across implementations (round-robin, the order rotated
@@ -8,6 +8,8 @@ On an accelerator the device is synchronised before the clock starts and stops.
 """
 from __future__ import annotations
 
+import ctypes
+import gc
 import importlib.metadata
 import json
 import os
@@ -133,6 +135,86 @@ def matmul_peak(device: torch.device, dtype: torch.dtype, n: int, reps: int = 5)
     times, _ = interleaved({"matmul": lambda: a @ b}, device, warmup=1, reps=reps)
     seconds = median(times["matmul"])
     return {"n": n, "seconds": seconds, "gflops": 2 * n ** 3 / seconds / 1e9}
+
+
+def stream_bandwidth(device: torch.device, nbytes: int, reps: int = 5) -> dict:
+    """This machine's streaming memory bandwidth, the roofline of a decode step, in GB/s.
+
+    Three kernels over ``nbytes`` of float32 (far beyond any cache: 1 GiB by default), each the
+    median of ``reps`` timed calls after a warm-up: ``sum`` (reads the tensor once), ``copy``
+    (``dst.copy_(src)`` of two tensors of ``nbytes / 2``: counted as ``nbytes`` read and
+    written) and ``matvec`` (the tensor as a matrix times a vector: reads it once, the very
+    kernel a batch-1 decode step spends its time in). ``gbps`` is the fastest of the three, so
+    a fraction of it is a fraction of the best rate this machine streamed its memory at.
+    """
+    n = nbytes // 4
+    if n < 4096:
+        raise ValueError(f"bandwidth test needs at least 16 KiB, got {nbytes} bytes")
+    n -= n % 4096
+    x = torch.ones(n, device=device)
+    half_src, half_dst = x[: n // 2], torch.empty(n // 2, device=device)
+    matrix, vector = x.view(-1, 4096), torch.ones(4096, 1, device=device)
+    fns = {"sum": lambda: x.sum(), "copy": lambda: half_dst.copy_(half_src), "matvec": lambda: matrix @ vector}
+    times, _ = interleaved(fns, device, warmup=1, reps=reps)
+    out = {"bytes": 4 * n, "reps": reps} | {f"{name}_gbps": 4 * n / median(ts) / 1e9 for name, ts in times.items()}
+    out["gbps"] = max(out[f"{name}_gbps"] for name in fns)
+    return out
+
+
+class PeakMemory:
+    """Peak memory a call adds: ``growth(fn) -> (bytes, fn())``.
+
+    CPU (Linux): the freed heap is handed back to the system first (glibc ``malloc_trim``),
+    the resident set size read (``VmRSS``), its high-water mark reset to it (``/proc/self/clear_refs``
+    5), the call run and the high-water mark (``VmHWM``) read: the growth is every page the call
+    touched on top of what was resident, transient ones included. Accelerators: the allocator's
+    peak over what was allocated before the call. ``unavailable`` says why when neither works.
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.unavailable = None
+        if device.type == "cpu":
+            try:
+                _status_kib("VmHWM")
+                with open("/proc/self/clear_refs", "w") as f:
+                    f.write("5")
+            except OSError as e:
+                self.unavailable = f"cannot reset the peak resident set size: {e}"
+            try:
+                self._trim = ctypes.CDLL("libc.so.6").malloc_trim
+            except (OSError, AttributeError):
+                self._trim = None
+        elif not hasattr(torch, device.type) or not hasattr(getattr(torch, device.type), "max_memory_allocated"):
+            self.unavailable = f"no allocator statistics on {device.type}"
+
+    def growth(self, fn: Callable[[], object]) -> tuple[int | None, object]:
+        if self.unavailable:
+            return None, fn()
+        gc.collect()
+        if self.device.type == "cpu":
+            if self._trim is not None:
+                self._trim(0)
+            before = _status_kib("VmRSS")
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+            result = fn()
+            return max(_status_kib("VmHWM") - before, 0) * 1024, result
+        backend = getattr(torch, self.device.type)
+        sync(self.device)
+        before = backend.memory_allocated(self.device)
+        backend.reset_peak_memory_stats(self.device)
+        result = fn()
+        sync(self.device)
+        return backend.max_memory_allocated(self.device) - before, result
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise OSError(f"/proc/self/status has no {field}")
 
 
 def rel_error(actual: Tensor, expected: Tensor) -> float:

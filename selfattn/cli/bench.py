@@ -19,7 +19,7 @@ from selfattn.bench import (GPU_ONLY, NOT_IN_ALL, SUITES, attention, calibrate, 
                             masks, train)
 
 HELP = {"attention": "attention layers: our backends vs the peers over a T sweep",
-        "decode": "generation tokens/s: KV cache vs no cache vs transformers' generate",
+        "decode": "prefill and decode speed, memory roofline and peak memory: ours vs transformers' generate",
         "train": "training-step tokens/s: our GPT vs a nanoGPT-equivalent model",
         "masks": "windows, documents, padding: every backend and auto's choice vs dense SDPA and FlexAttention",
         "context-parallel": "ring attention over N local processes vs one: memory per rank, bytes sent, balance",
@@ -83,6 +83,8 @@ def _settings(name: str, args: argparse.Namespace):
     given = {key: tuple(value) if isinstance(value, list) else value for key, value in given.items()}
     if getattr(args, "no_memory", False):
         given["memory"] = False
+    if getattr(args, "no_ckpt", False):
+        given["ckpt"] = None
     return dataclasses.replace(base, **given)
 
 
@@ -113,7 +115,25 @@ def _decode_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--new-tokens", type=int, default=None,
                    help=f"tokens to generate after each prompt (default {full.new_tokens}, --quick {quick.new_tokens})")
     p.add_argument("--prompts", type=int, nargs="+", default=None,
-                   help=f"prompt lengths (default {full.prompts}, --quick {quick.prompts})")
+                   help=f"GPT-2-shape prompt lengths (default {full.prompts}, --quick {quick.prompts})")
+    p.add_argument("--batches", type=int, nargs="+", default=None,
+                   help=f"batch sizes (default {full.batches}, --quick {quick.batches})")
+    p.add_argument("--dtypes", "--dtype", nargs="+", choices=tuple(common.DTYPES), default=None,
+                   help=f"weight and cache dtypes (default {' '.join(full.dtypes)})")
+    p.add_argument("--ckpt", default=None, metavar="PATH",
+                   help="a model to bench beside the GPT-2 shape: any path selfattn loads (run folder, checkpoint, "
+                        "transformers folder, GGUF file); default: SmolLM2-135M-Instruct's GGUF file in "
+                        ".cache/models (`make models`), none with --quick")
+    p.add_argument("--no-ckpt", action="store_true", help="the GPT-2 shape only")
+    p.add_argument("--ckpt-prompt", type=int, default=None,
+                   help=f"prompt length of the --ckpt rows (default {full.ckpt_prompt}, --quick {quick.ckpt_prompt})")
+    p.add_argument("--ckpt-new-tokens", type=int, default=None,
+                   help=f"tokens generated in the --ckpt rows (default {full.ckpt_new_tokens}, "
+                        f"--quick {quick.ckpt_new_tokens})")
+    p.add_argument("--bandwidth-mib", type=int, default=None,
+                   help=f"size of the streaming-bandwidth test (default {full.bandwidth_mib}, "
+                        f"--quick {quick.bandwidth_mib})")
+    p.add_argument("--no-memory", action="store_true", help="do not measure peak memory")
 
 
 def _train_flags(p: argparse.ArgumentParser) -> None:

@@ -1,5 +1,6 @@
 """selfattn bench: the peers compute what we compute, the counts and checks are right, and
 each suite's quick run writes its JSON and plot."""
+import copy
 import json
 
 import pytest
@@ -208,17 +209,38 @@ def test_attention_quick_run_writes_json_and_plot(tmp_path, capsys):
 
 
 def test_decode_quick_run_writes_json_and_plot(tmp_path, capsys):
-    assert cli_main(["bench", "decode", "--quick", "--threads", "1", "--out", str(tmp_path),
-                     "--prompts", "8", "--new-tokens", "16", "--reps", "2"]) == 0
+    assert cli_main(["bench", "decode", "--quick", "--threads", "1", "--out", str(tmp_path), "--prompts", "8",
+                     "--new-tokens", "6", "--reps", "2", "--batches", "1", "2", "--bandwidth-mib", "16"]) == 0
     result = json.loads((tmp_path / "decode.json").read_text())
     assert (tmp_path / "decode.png").stat().st_size > 10_000
-    assert {"suite", "machine", "settings", "params", "checks", "results", "targets"} <= set(result)
-    rows = {r["impl"]: r for r in result["results"]}
-    assert set(rows) == set(decode.IMPLS) and all(r["status"] == "ok" for r in rows.values())
-    assert rows["no-cache"]["estimated"] and not rows["kv-cache"]["estimated"]
-    assert rows["kv-cache"]["tokens_per_s"] == pytest.approx(16 / rows["kv-cache"]["time_s"])
-    assert result["checks"][0]["vs_hf_err"] < 1e-4 and result["checks"][0]["cache_err"] < 1e-4
-    assert "kv-cache decoding >= 2x" in capsys.readouterr().out
+    assert {"suite", "machine", "settings", "bandwidth", "params", "ckpt", "checks", "results",
+            "targets"} <= set(result)
+    bw = result["bandwidth"]
+    assert bw["gbps"] == max(bw["sum_gbps"], bw["copy_gbps"], bw["matvec_gbps"]) > 0 and bw["bytes"] == 16 * 2 ** 20
+    rows = {(r["impl"], r["dtype"], r["batch"]): r for r in result["results"]}
+    assert set(rows) == {(i, d, b) for i in ("kv-cache", "hf-sdpa") for d in ("float32", "bfloat16")
+                         for b in (1, 2)} | {("no-cache", "float32", 1)}
+    assert all(r["status"] == "ok" and r["model"] == decode.GPT2_MODEL and r["prompt"] == 8
+               for r in rows.values())
+    assert rows[("no-cache", "float32", 1)]["estimated"]
+    for (impl, dtype, B), r in rows.items():
+        if impl == "no-cache":
+            continue
+        assert not r["estimated"] and len(r["prefills_s"]) == len(r["decodes_s"]) == 2
+        assert r["decode_tokens_per_s"] == pytest.approx(B * 5 / r["decode_s"])  # 6 new tokens: the first, 5 steps
+        assert r["tokens_per_s"] == pytest.approx(B * 6 / r["time_s"])
+        assert r["achieved_gbps"] == pytest.approx(r["bytes_per_step"] / (r["decode_s"] / 5) / 1e9)
+        assert r["bytes_per_step"] == r["weight_bytes"] + r["kv_bytes_per_step"]
+        assert r["peak_bytes"] >= r["weight_bytes"] and r["peak_ratio"] > 0
+    ours = {(d, b): rows[("kv-cache", d, b)] for d in ("float32", "bfloat16") for b in (1, 2)}
+    assert ours[("bfloat16", 1)]["weight_bytes"] * 2 == ours[("float32", 1)]["weight_bytes"]  # half the bytes
+    assert ours[("float32", 2)]["kv_bytes_per_step"] == 2 * ours[("float32", 1)]["kv_bytes_per_step"]
+    checks = {c["dtype"]: c for c in result["checks"]}
+    assert checks["float32"]["vs_hf_err"] < 1e-4 and checks["float32"]["cache_err"] < 1e-4
+    assert checks["bfloat16"]["vs_hf_err"] < 5e-2
+    out = capsys.readouterr().out
+    assert "x roof" in out and "streaming bandwidth over 16 MiB" in out and "GPT-2-small shape: batch-1 decode" in out
+    assert len(result["targets"]) == 8 and result["ckpt"] is None
 
 
 def test_decode_check_fails_loudly_when_the_weights_differ():
@@ -226,7 +248,130 @@ def test_decode_check_fails_loudly_when_the_weights_differ():
     with torch.no_grad():
         hf.transformer.h[0].attn.c_attn.weight[0, 0] += 1.0
     with pytest.raises(common.CorrectnessError, match="our logits vs transformers'"):
-        decode._check(ours, hf, torch.randint(512, (1, 8)), decode.QUICK)
+        decode._check(ours, hf, torch.randint(512, (1, 8)), decode.QUICK, "gpt2", "float32")
+
+
+def _tiny_llama_folder(path):
+    from selfattn import export
+    from selfattn.models import writing
+    from selfattn.tokenizers import ByteTokenizer
+    sizes = dict(vocab_size=256, block_size=64, n_layer=2, n_head=4, n_embd=32, n_kv_head=2)
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**sizes, **writing.block("llama", sizes), intermediate_size=48)).eval()
+    export.export(model, ByteTokenizer(), path)
+    return model
+
+
+def test_decode_ckpt_rows_time_ours_and_transformers_eager_and_sdpa_on_our_weights(tmp_path):
+    model = _tiny_llama_folder(tmp_path / "llama")
+    s = decode.Settings(**(vars(decode.QUICK) | dict(prompts=(4,), new_tokens=3, batches=(1, 2), dtypes=("float32",),
+                                                     reps=1, ckpt=str(tmp_path / "llama"), ckpt_prompt=8,
+                                                     ckpt_new_tokens=4, bandwidth_mib=16)))
+    result = decode.run(s, torch.device("cpu"), log=lambda _: None)
+    assert result["ckpt"]["name"] == "llama" and result["ckpt"]["params"] == model.num_params()
+    rows = {(r["impl"], r["batch"]): r for r in result["results"] if r["model"] == "llama"}
+    assert set(rows) == {(i, b) for i in ("kv-cache", "hf-sdpa", "hf-eager") for b in (1, 2)}
+    for (impl, B), r in rows.items():
+        assert r["status"] == "ok" and r["prompt"] == 8 and r["new_tokens"] == 4 and r["dtype"] == "float32"
+        assert r["greedy_agrees"]  # identical weights, float32: the same tokens
+        assert r["weight_bytes"] == decode.step_bytes(model, B, 9)["weights"]
+        assert r["cache_bytes"] == 2 * 2 * B * 2 * 11 * 8 * 4  # 2 layers x (k, v) x B x Hkv x (8 + 4 - 1) x D x 4
+    check = next(c for c in result["checks"] if c["model"] == "llama")
+    assert check["vs_hf_err"] < 1e-4 and check["cache_err"] < 1e-4
+    by = {t["target"].split(":")[0]: t for t in result["targets"]}
+    assert by["llama"]["status"] in ("PASS", "MISS") and "B=1" in by["llama"]["measured"]
+    text = decode.report(result)
+    assert "hf-eager" in text and "llama" in text
+
+
+def test_decode_ckpt_rows_say_when_the_file_is_missing(tmp_path):
+    s = decode.Settings(**(vars(decode.QUICK) | dict(prompts=(4,), new_tokens=3, batches=(1,), dtypes=("float32",),
+                                                     reps=1, ckpt=str(tmp_path / "absent.gguf"), bandwidth_mib=16,
+                                                     memory=False)))
+    result = decode.run(s, torch.device("cpu"), log=lambda _: None)
+    missing = [r for r in result["results"] if r["model"] == "absent"]
+    assert {r["impl"] for r in missing} == {"kv-cache", "hf-sdpa", "hf-eager"}
+    assert all(r["status"] == "unavailable" and "absent.gguf is missing" in r["reason"] for r in missing)
+    assert "unavailable" in decode.report(result)
+
+
+def test_step_bytes_count_each_weight_once_in_its_dtype_and_the_cache_read():
+    torch.manual_seed(0)
+    gpt2 = GPT(GPTConfig(vocab_size=10, block_size=8, n_layer=1, n_head=2, n_embd=4, bias=True))  # tied head
+    # by hand, in elements: wte 10x4 (read whole, as the head), ln_1 4+4, qkv 12x4+12, proj 4x4+4, ln_2 4+4,
+    # c_fc 16x4+16, c_proj 4x16+4, ln_f 4+4 = 40 + 8 + 60 + 20 + 8 + 80 + 68 + 8 = 292; wpe: B rows of 4
+    for B in (1, 3):
+        got = decode.step_bytes(gpt2, B, keys=5)
+        assert got == {"weights": (292 + 4 * B) * 4, "kv": 2 * B * 2 * 5 * 2 * 4}  # k, v: B x H x S x D x 4 bytes
+    assert decode.step_bytes(gpt2.to(torch.bfloat16), 1, 5) == {"weights": 296 * 2, "kv": 2 * 2 * 5 * 2 * 2}
+    untied = GPT(GPTConfig(vocab_size=10, block_size=8, n_layer=1, n_head=2, n_embd=4, bias=True,
+                           tie_embeddings=False))
+    assert decode.step_bytes(untied, 1, 5)["weights"] == (292 - 40 + 40 + 4 + 4) * 4  # the head whole, a wte row
+    window = GPT(GPTConfig(vocab_size=10, block_size=8, n_layer=1, n_head=2, n_embd=4, bias=True, window=3))
+    assert decode.step_bytes(window, 1, 5)["kv"] == 2 * 2 * 3 * 2 * 4  # a window of 3 reads 3 keys, not 5
+    gqa = GPT(GPTConfig(vocab_size=10, block_size=8, n_layer=2, n_head=4, n_embd=8, n_kv_head=1, pos="rope"))
+    assert decode.step_bytes(gqa, 1, 5)["kv"] == 2 * 2 * 1 * 5 * 2 * 4  # 2 layers, one kv head of 2
+    from selfattn.quantize import quantize_int8
+    wide = GPT(GPTConfig(vocab_size=64, block_size=8, n_layer=1, n_head=2, n_embd=64, tie_embeddings=False))
+    int8 = decode.step_bytes(quantize_int8(copy.deepcopy(wide)), 1, 5)["weights"]  # int8 weights, float32 scales
+    assert int8 < decode.step_bytes(wide, 1, 5)["weights"] / 3
+
+
+def test_roofline_averages_the_cache_over_the_decode_steps():
+    torch.manual_seed(0)
+    gpt2 = GPT(GPTConfig(vocab_size=10, block_size=8, n_layer=1, n_head=2, n_embd=4, bias=True))
+    r = decode.roofline(gpt2, 1, prompt=3, new_tokens=3)  # steps feed positions 3 and 4: 4 and 5 keys
+    per_key = 2 * 2 * 2 * 4  # k and v, H = 2, D = 2, float32
+    assert r["kv_bytes_per_step"] == 4.5 * per_key and r["cache_bytes"] == 5 * per_key
+    assert r["bytes_per_step"] == r["weight_bytes"] + 4.5 * per_key
+
+
+def test_peak_memory_sees_what_a_call_allocates_and_not_what_was_there():
+    peak = common.PeakMemory(torch.device("cpu"))
+    assert peak.unavailable is None
+    held = torch.ones(32 * 2 ** 20 // 4)  # resident before: not counted  # noqa: F841
+    grown, total = peak.growth(lambda: torch.ones(64 * 2 ** 20 // 4).sum().item())
+    assert total == 64 * 2 ** 20 // 4  # the call's own result comes back
+    assert 60 * 2 ** 20 <= grown < 96 * 2 ** 20  # 64 MiB, give or take pages the system reclaims meanwhile
+    idle, _ = peak.growth(lambda: held.sum().item())  # control: reading what exists allocates nothing
+    assert idle < 8 * 2 ** 20
+
+
+def test_stream_bandwidth_reports_each_kernel_and_the_fastest():
+    bw = common.stream_bandwidth(torch.device("cpu"), 8 * 2 ** 20, reps=2)
+    assert bw["bytes"] == 8 * 2 ** 20 and bw["reps"] == 2
+    assert bw["gbps"] == max(bw[f"{k}_gbps"] for k in ("sum", "copy", "matvec")) > 0
+    with pytest.raises(ValueError, match="at least 16 KiB, got 100 bytes"):
+        common.stream_bandwidth(torch.device("cpu"), 100)
+
+
+def _decode_row(impl, model, dtype, B, P, *, tps, prefill, gbps=10.0, peak=1.1):
+    return {"model": model, "impl": impl, "dtype": dtype, "batch": B, "prompt": P, "new_tokens": 8, "status": "ok",
+            "estimated": False, "decode_tokens_per_s": tps, "tokens_per_s": tps, "prefill_s": prefill,
+            "achieved_gbps": gbps, "peak_ratio": peak}
+
+
+def _decode_result(ours_tps, hf_tps, gbps, peak, prefill):
+    rows = []
+    for d in ("float32", "bfloat16"):
+        for B in (1, 8):
+            rows.append(_decode_row("kv-cache", "smol", d, B, 512, tps=ours_tps, prefill=prefill, gbps=gbps, peak=peak))
+            rows.append(_decode_row("hf-sdpa", "smol", d, B, 512, tps=hf_tps, prefill=1.5))
+            rows.append(_decode_row("hf-eager", "smol", d, B, 512, tps=hf_tps / 2, prefill=2.0))
+            rows.append(_decode_row("kv-cache", decode.GPT2_MODEL, d, B, 16, tps=ours_tps, prefill=1.0, gbps=gbps))
+            rows.append(_decode_row("hf-sdpa", decode.GPT2_MODEL, d, B, 16, tps=hf_tps, prefill=1.5))
+    return {"bandwidth": {"gbps": 20.0}, "ckpt": {"name": "smol"}, "settings": {"dtypes": ["float32"]},
+            "results": rows}
+
+
+def test_decode_targets_pass_and_miss_on_the_measured_numbers():
+    good = decode.targets(_decode_result(ours_tps=30.0, hf_tps=10.0, gbps=18.0, peak=1.1, prefill=1.0))
+    bad = decode.targets(_decode_result(ours_tps=9.0, hf_tps=10.0, gbps=10.0, peak=1.5, prefill=2.0))
+    assert [t["status"] for t in good] == ["PASS"] * 7 + ["n/a"]  # no context of 1024
+    assert [t["status"] for t in bad] == ["MISS"] * 7 + ["n/a"]
+    assert "3.00x (float32 B=1 P=512)" in good[0]["measured"] and "0.90x" in bad[0]["measured"]
+    assert "0.50 (float32 B=1 P=512)" in bad[3]["measured"] and "of 20.0 GB/s" in bad[3]["measured"]
+    assert [t["status"] for t in decode.targets({"results": [], "bandwidth": {"gbps": 1.0}})] == ["n/a"] * 8
 
 
 def test_train_quick_run_writes_json_and_plot(tmp_path):
@@ -255,7 +400,11 @@ def test_bad_settings_are_value_errors_naming_the_value():
         attention.Settings(seq_lens=(128, 300), tokens=512).check()
     with pytest.raises(ValueError, match="unknown implementations \\['flash'\\]"):
         attention.Settings(impls=("flash",)).check()
-    with pytest.raises(ValueError, match="prompt \\+ new_tokens=256 <= block_size=1024.*\\[900\\]"):
+    with pytest.raises(ValueError, match="prompt \\+ new_tokens=128 <= block_size=1024.*\\[900\\]"):
         decode.Settings(prompts=(16, 900)).check()
+    with pytest.raises(ValueError, match="dtypes must be some of float32, bfloat16, float16, got \\['int8'\\]"):
+        decode.Settings(dtypes=("int8",)).check()
+    with pytest.raises(ValueError, match="batches must be positive ints, got \\[0\\]"):
+        decode.Settings(batches=(0,)).check()
     with pytest.raises(ValueError, match="device 'tpu9' is not a torch device"):
         _validate.device("tpu9")
