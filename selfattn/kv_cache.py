@@ -11,6 +11,11 @@ inside the window, and the T new ones, in that order: the recent ones are contig
 the new ones, so the window rule holds in key coordinates, and the sinks (key indices below
 ``sink_tokens``) stay visible by the ``sink_tokens`` rule. Both caches tell which absolute
 positions their keys hold (:meth:`positions`), so per-position masks can follow them.
+
+Both roll back: :meth:`truncate` forgets the latest positions, as speculative decoding does
+with the drafted tokens the target rejected. A :class:`KVCache` just shortens its live length;
+a rolling cache has overwritten its oldest slots, so it keeps ``rollback`` more of them than
+the window needs (see :meth:`RollingKVCache.truncate`).
 """
 from __future__ import annotations
 
@@ -57,20 +62,28 @@ class KVCache:
         """Forget every cached position (the memory is kept for reuse)."""
         self.length = 0
 
+    def truncate(self, length: int) -> None:
+        """Forget every position from ``length`` on: the cache then holds ``0 .. length - 1``."""
+        _check_truncate(self, length)
+        self.length = length
+
     def __repr__(self) -> str:
         B, Hkv, max_len, D = self.k.shape
         return f"KVCache(B={B}, Hkv={Hkv}, length={self.length}/{max_len}, D={D}, dtype={self.k.dtype})"
 
 
 class RollingKVCache:
-    """The last ``window`` positions (and the first ``sink_tokens``) of one layer, in ring slots."""
+    """The last ``window`` positions (and the first ``sink_tokens``) of one layer, in ring slots;
+    ``rollback`` more ring slots keep that many older positions for :meth:`truncate`."""
 
     def __init__(self, batch_size: int, n_kv_head: int, window: int, head_dim: int, *, sink_tokens: int = 0,
-                 dtype: torch.dtype = torch.float32, device=None):
+                 rollback: int = 0, dtype: torch.dtype = torch.float32, device=None):
         positive_ints(batch_size=batch_size, n_kv_head=n_kv_head, window=window, head_dim=head_dim)
         self.window, self.sink_tokens = window, count("sink_tokens", sink_tokens)
-        shape = (batch_size, n_kv_head, self.sink_tokens + window, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)  # (B, Hkv, n + W, D): sinks, then the ring
+        self.rollback = count("rollback", rollback)
+        self.ring = window + self.rollback  # R ring slots
+        shape = (batch_size, n_kv_head, self.sink_tokens + self.ring, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)  # (B, Hkv, n + R, D): sinks, then the ring
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.length = 0  # positions seen so far
         self._live = torch.zeros(0, dtype=torch.long, device=device)  # positions of the keys last returned
@@ -94,7 +107,7 @@ class RollingKVCache:
         keys = torch.cat([self.k[:, :, slots], k], dim=2)  # (B, Hkv, S, D)
         values = torch.cat([self.v[:, :, slots], v], dim=2)
         new = torch.arange(L, L + T, device=device)
-        keep = new[(new < n) | (new >= L + T - W)]  # only the last W (and sinks) survive the wrap
+        keep = new[(new < n) | (new >= L + T - self.ring)]  # only the last R (and sinks) survive the wrap
         self.k[:, :, self._slots(keep)] = k[:, :, keep - L]
         self.v[:, :, self._slots(keep)] = v[:, :, keep - L]
         self.length = L + T
@@ -104,7 +117,7 @@ class RollingKVCache:
     def _slots(self, positions: Tensor) -> Tensor:
         """The slot of each absolute position: a sink's own slot, else its place in the ring."""
         n = self.sink_tokens
-        return torch.where(positions < n, positions, n + (positions - n) % self.window)
+        return torch.where(positions < n, positions, n + (positions - n) % self.ring)
 
     def positions(self) -> Tensor:
         """The absolute positions of the keys the last :meth:`append` returned, in their order."""
@@ -114,7 +127,33 @@ class RollingKVCache:
         self.length = 0
         self._live = self._live[:0]
 
+    def truncate(self, length: int) -> None:
+        """Forget every position from ``length`` on. The next query, at ``length``, needs the
+        ``window - 1`` positions before it, and the ring holds only the last ``window +
+        rollback`` positions seen: going back up to ``rollback + 1`` positions always works (a
+        ring of exactly ``window`` slots holds one more than the next query needs), further
+        only while nothing it needs has been overwritten; otherwise a ValueError."""
+        _check_truncate(self, length)
+        n, L = self.sink_tokens, self.length
+        needed_from = max(n, length - self.window + 1)  # the oldest ring position the next query reads
+        held_from = max(n, L - self.ring)  # the oldest position still in the ring
+        if needed_from < min(length, held_from):
+            raise ValueError(f"RollingKVCache: cannot truncate {L} positions to {length}: the next query needs "
+                             f"position {needed_from} on, but the ring of window={self.window} + "
+                             f"rollback={self.rollback} slots holds only {held_from} on; allocate rollback >= "
+                             f"{L - length - 1}")
+        self.length = length
+        self._live = self._live[self._live < length]
+
     def __repr__(self) -> str:
         B, Hkv, _, D = self.k.shape
         return (f"RollingKVCache(B={B}, Hkv={Hkv}, window={self.window}, sink_tokens={self.sink_tokens}, "
-                f"length={self.length}, D={D}, dtype={self.k.dtype})")
+                f"rollback={self.rollback}, length={self.length}, D={D}, dtype={self.k.dtype})")
+
+
+def _check_truncate(cache: KVCache | RollingKVCache, length) -> None:
+    """A cache of ``cache.length`` positions can be truncated to ``0 <= length <= cache.length``."""
+    count("length", length)
+    if length > cache.length:
+        raise ValueError(f"{type(cache).__name__}: cannot truncate to length={length}, it holds only "
+                         f"{cache.length} positions")
