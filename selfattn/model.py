@@ -35,7 +35,8 @@ sequence; the loss is the mean over this rank's positions.
 Decoding. :meth:`GPT.new_cache` preallocates one :class:`~selfattn.kv_cache.KVCache` per
 layer (a :class:`~selfattn.kv_cache.RollingKVCache` of ``window`` slots for each sliding-window
 layer); a forward with ``cache=`` runs only the new tokens and appends their keys and values.
-:meth:`GPT.generate` prefills the prompt once and then feeds one token per step.
+:meth:`GPT.generate` prefills the prompt once and then feeds one token per step, or with
+``speculative=`` checks several drafted tokens per forward (:mod:`selfattn.speculative`).
 """
 from __future__ import annotations
 
@@ -54,6 +55,8 @@ from selfattn.kv_cache import KVCache, RollingKVCache
 from selfattn.norms import Norm
 from selfattn.rope import check_scaling
 from selfattn.sampling import check_sampling, next_token
+from selfattn.speculative import Speculative, resolve
+from selfattn.speculative import decode as speculative_decode
 
 if TYPE_CHECKING:  # the core never imports the distributed layer; a shard is handed in
     from selfattn.distributed import SequenceShard
@@ -359,11 +362,13 @@ class GPT(nn.Module):
         every_layer_slides = all(block.attn.window is not None for block in self.blocks)
         return None if every_layer_slides and self.wpe is None else self.config.block_size
 
-    def new_cache(self, batch_size: int, max_len: int | None = None) -> list[KVCache | RollingKVCache]:
+    def new_cache(self, batch_size: int, max_len: int | None = None, *,
+                  rollback: int = 0) -> list[KVCache | RollingKVCache]:
         """One empty cache per layer for ``batch_size`` rows, in the model's dtype and device: a
         :class:`KVCache` of up to ``max_len`` positions (default and maximum ``block_size``), or
         for a sliding-window layer a :class:`RollingKVCache` of ``window`` (+ sink) slots, which
-        takes any number of positions."""
+        takes any number of positions, and ``rollback`` more so that it can be truncated back
+        that many positions (speculative decoding)."""
         _validate.positive_int("batch_size", batch_size)
         w, cfg = self.wte.weight, self.config
         max_len = cfg.block_size if max_len is None else _validate.positive_int("max_len", max_len)
@@ -372,7 +377,8 @@ class GPT(nn.Module):
         return [KVCache(batch_size, block.attn.n_kv_head, max_len, block.attn.head_dim, dtype=w.dtype, device=w.device)
                 if block.attn.window is None else
                 RollingKVCache(batch_size, block.attn.n_kv_head, block.attn.window, block.attn.head_dim,
-                               sink_tokens=block.attn.sink_tokens or 0, dtype=w.dtype, device=w.device)
+                               sink_tokens=block.attn.sink_tokens or 0, rollback=rollback, dtype=w.dtype,
+                               device=w.device)
                 for block in self.blocks]
 
     def forward(self, idx: Tensor, targets: Tensor | None = None, *, attention_mask: Tensor | None = None,
@@ -407,29 +413,36 @@ class GPT(nn.Module):
         loss = F.cross_entropy(logits.flatten(0, 1).to(work), targets.flatten(), ignore_index=-100)  # (B·T, V)
         return logits, loss
 
-    def _hidden(self, idx: Tensor, mask: Tensor | None, cache: Sequence[KVCache] | None, past: int,
-                prefix_len: int | Tensor | None = None, shard: SequenceShard | None = None) -> Tensor:
-        """The final hidden states ``(B, T, C)`` after ``ln_f``; inputs already validated."""
-        T = idx.shape[1]
+    def _hidden(self, idx: Tensor | None, mask: Tensor | None, cache: Sequence[KVCache] | None, past: int,
+                prefix_len: int | Tensor | None = None, shard: SequenceShard | None = None, *, start: int = 0,
+                stop: int | None = None, x: Tensor | None = None) -> Tensor:
+        """The final hidden states ``(B, T, C)`` after ``ln_f``; inputs already validated.
+
+        Speculative decoding runs part of the stack: blocks ``start .. stop - 1`` only, from
+        ``x`` ``(B, T, C)``, the residual stream entering block ``start`` (then ``idx`` is not
+        read), and a stack stopped short of the top returns its residual stream, before ``ln_f``."""
+        T, device = (idx if x is None else x).shape[1], (idx if x is None else x).device
         if shard is not None:
-            positions = shard.positions(idx.device)  # (T,) this rank's tokens' places in the whole sequence
+            positions = shard.positions(device)  # (T,) this rank's tokens' places in the whole sequence
         elif mask is None:
-            positions = torch.arange(past, past + T, device=idx.device)  # (T,)
+            positions = torch.arange(past, past + T, device=device)  # (T,)
         else:
             positions = (mask.cumsum(dim=-1)[:, -T:] - 1).clamp(min=0)  # (B, T) real tokens before, 0 on padding
-        x = self.wte(idx)  # (B, T, C)
-        if self.config.embedding_scale is not None:
-            x = x * torch.tensor(self.config.embedding_scale, dtype=x.dtype)  # the scale rounded to x's dtype
-        if self.wpe is not None:
-            x = x + self.wpe(positions)  # (B, T, C) + (T, C) or (B, T, C)
-        if self.ln_emb is not None:
-            x = self.ln_emb(x)
-        x = self.drop(x)
+        if x is None:
+            x = self.wte(idx)  # (B, T, C)
+            if self.config.embedding_scale is not None:
+                x = x * torch.tensor(self.config.embedding_scale, dtype=x.dtype)  # the scale rounded to x's dtype
+            if self.wpe is not None:
+                x = x + self.wpe(positions)  # (B, T, C) + (T, C) or (B, T, C)
+            if self.ln_emb is not None:
+                x = self.ln_emb(x)
+            x = self.drop(x)
         rope_positions = positions if self.wpe is None else None
-        for i, block in enumerate(self.blocks):
-            x = block(x, key_padding_mask=mask, positions=rope_positions, cache=None if cache is None else cache[i],
-                      prefix_len=prefix_len, shard=shard)
-        return self.ln_f(x)
+        stop = len(self.blocks) if stop is None else stop
+        for i in range(start, stop):
+            x = self.blocks[i](x, key_padding_mask=mask, positions=rope_positions,
+                               cache=None if cache is None else cache[i], prefix_len=prefix_len, shard=shard)
+        return self.ln_f(x) if stop == len(self.blocks) else x
 
     def _logits(self, h: Tensor) -> Tensor:
         """The LM head on hidden states ``h`` (..., C): logits (..., V), soft-capped if configured."""
@@ -439,7 +452,8 @@ class GPT(nn.Module):
 
     def generate(self, idx: Tensor, max_new_tokens: int, *, temperature: float = 1.0, top_k: int | None = None,
                  top_p: float | None = None, eos_token: int | None = None, generator: torch.Generator | None = None,
-                 attention_mask: Tensor | None = None) -> Iterator[Tensor]:
+                 attention_mask: Tensor | None = None,
+                 speculative: str | GPT | Speculative | None = None) -> Iterator[Tensor]:
         """Continue each prompt of ``idx`` ``(B, T)``: an iterator yielding one ``(B,)`` int64
         tensor of new tokens per step (streaming), at most ``max_new_tokens`` of them.
 
@@ -449,6 +463,11 @@ class GPT(nn.Module):
             the iterator stops early once every row has finished.
         attention_mask: ``(B, T)`` for left-padded prompts (the last column must be real);
             each row then generates what its prompt would alone.
+        speculative: lossless speculative decoding (:mod:`selfattn.speculative`): ``"lookup"``
+            (prompt lookup), ``"self:N"`` (the first N blocks draft), a draft GPT of the same
+            vocabulary, or a :class:`~selfattn.speculative.Speculative` (to set the draft length
+            and read its ``stats``). Greedy, the same tokens as without it; sampling, the same
+            distribution; the same stream, one token per row per step.
 
         Arguments are checked here, before the first step. Decoding runs under
         ``torch.inference_mode`` in the model's current train/eval mode (call ``model.eval()``
@@ -476,6 +495,9 @@ class GPT(nn.Module):
                 mask = torch.ones(B, max(total, T), dtype=torch.bool, device=idx.device)  # (B, S_max)
                 mask[:, :T] = prompt_mask
         sample = dict(temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
+        if speculative is not None:
+            spec = resolve(speculative, self, max(total, T))
+            return speculative_decode(self, spec, idx, max_new_tokens, mask, eos_token, sample)
         return self._decode(idx, max_new_tokens, mask, eos_token, sample)
 
     @torch.inference_mode()

@@ -52,13 +52,21 @@ def next_token(logits: Tensor, *, temperature: float = 1.0, top_k: int | None = 
     """
     if temperature == 0:
         return logits.argmax(dim=-1)
-    logits = logits.float() / temperature  # (B, V)
+    probs = probabilities(logits, temperature=temperature, top_k=top_k, top_p=top_p)  # (B, V)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)  # (B,)
+
+
+def probabilities(logits: Tensor, *, temperature: float, top_k: int | None = None,
+                  top_p: float | None = None) -> Tensor:
+    """The distribution :func:`next_token` draws from, ``(..., V)`` in float32 at least: the
+    logits divided by ``temperature`` (> 0), filtered by ``top_k`` then ``top_p``, softmaxed.
+    Speculative sampling compares the target's and the draft's through it."""
+    logits = logits.float() / temperature  # (..., V)
     if top_k is not None:
         logits = top_k_filter(logits, top_k)
     if top_p is not None:
         logits = top_p_filter(logits, top_p)
-    probs = torch.softmax(logits, dim=-1)  # (B, V)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)  # (B,)
+    return torch.softmax(logits, dim=-1)  # (..., V)
 
 
 def check_sampling(temperature, top_k, top_p, *, flags: bool = False) -> None:
