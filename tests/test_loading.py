@@ -164,7 +164,8 @@ def test_a_folder_of_another_model_type_is_refused_naming_it(tmp_path, capsys):
     config = folder / "config.json"
     config.write_text(json.dumps({**json.loads(config.read_text()), "model_type": "gemma"}))  # a type not served
     capsys.readouterr()  # save_pretrained's progress bars
-    expected = f"unsupported model_type 'gemma' in {config}: this version loads gpt2, llama, mistral, qwen2 folders"
+    expected = (f"unsupported model_type 'gemma' in {config}: this version loads gpt2, llama, mistral, qwen2, qwen3, "
+                f"gemma2, gemma3_text, phi3, olmo2, bloom, gpt_oss folders")
     with pytest.raises(ValueError) as e:
         loading.load(folder)
     assert str(e.value) == expected
