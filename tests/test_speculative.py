@@ -5,6 +5,8 @@ accepting every draft fails); the draft length adapts; bad arguments fail at the
 import copy
 import itertools
 import math
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -278,3 +280,15 @@ def test_bad_drafts_and_draft_lengths():
         Speculative("lookup", max_k=2)
     with pytest.raises(TypeError, match="ngram must be an int"):
         Speculative("lookup", ngram=2.5)
+
+
+
+def test_the_docs_example(capsys):
+    text = (Path(__file__).parents[1] / "docs" / "gpt.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
+    scope = {}
+    for first in ("import torch\nfrom selfattn import GPT", "idx  = torch.tensor(", "from selfattn.speculative"):
+        exec(next(b for b in blocks if b.startswith(first)), scope)
+    assert torch.equal(scope["fast"], scope["out"])  # what the plain example generated, greedy
+    per_forward, rate = map(float, capsys.readouterr().out.split()[-2:])  # after the 50 streamed tokens
+    assert per_forward >= 1.0 and 0.0 <= rate <= 1.0 and scope["spec"].stats.tokens == 10
