@@ -184,6 +184,19 @@ def test_prompt_lookup_on_text_that_repeats_what_it_read():
     assert spec.stats.acceptance_rate == 1.0 and spec.stats.tokens_per_forward >= 4.0  # 1 + 4+6+8 + 1
 
 
+def test_each_row_of_a_batch_accepts_its_own_number_of_drafts():
+    model = scrambled(small(**VARIANTS["rope-gqa-window-bias"]))
+    P = torch.randint(0, 61, (1, 6))
+    G = tokens_of(model, P, 20, temperature=0)
+    idx = torch.cat([torch.cat([P, G, P], dim=1), torch.randint(0, 61, (1, 32))])  # (2, 32): easy, then hard
+    spec, hard = Speculative("lookup", k=4), Speculative("lookup", k=4)
+    got = tokens_of(model, idx, 20, temperature=0, speculative=spec)
+    assert torch.equal(got, tokens_of(model, idx, 20, temperature=0)) and torch.equal(got[0], G[0])
+    tokens_of(model, idx[1:], 20, temperature=0, speculative=hard)
+    assert hard.stats.accepted <= 2  # the hard row alone accepts next to nothing
+    assert spec.stats.accepted >= hard.stats.accepted + 8  # the easy row ran ahead: its drafts stood
+
+
 # sampling: the first three tokens of many independent rows against their exact law
 V, ROWS, NEW = 6, 6000, 3
 SAMPLING = dict(temperature=0.9, top_k=5, top_p=0.95)
