@@ -22,6 +22,7 @@ form (``rope_type`` and its parameters), for the context-extension schemes real 
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -134,10 +135,31 @@ def rope_angles(positions: Tensor, head_dim: int, base: float = 10000.0, *, scal
     if positions.dim() == 1:
         positions = positions[None]  # (1, T)
     seq_len = int(positions.max()) + 1 if scaling is not None and scaling["rope_type"] == "longrope" else 0
-    inv_freq, attention = rope_frequencies(head_dim, base, scaling, seq_len)
-    angles = positions[:, None, :, None].double() * inv_freq.to(positions.device)  # (B, 1, T, R/2)
+    long = seq_len > scaling["original_max_position_embeddings"] if seq_len else False
+    inv_freq, attention = _frequencies_on(head_dim, float(base), _hashable(scaling), long, positions.device)
+    angles = positions[:, None, :, None].double() * inv_freq  # (B, 1, T, R/2)
     cos, sin = angles.cos(), angles.sin()
     return (cos, sin) if attention == 1.0 else (cos * attention, sin * attention)
+
+
+@functools.lru_cache(maxsize=64)
+def _frequencies_on(rotary_dim: int, base: float, scaling: tuple | None, long: bool,
+                    device: torch.device) -> tuple[Tensor, float]:
+    """:func:`rope_frequencies` on ``device``, computed once per rule: every layer of a decode step
+    asks for the same frequencies, and working them out (arange, pow, the scaling rule) cost
+    more than the angles themselves. Read-only: callers multiply, never write into it.
+    ``long`` stands for ``seq_len`` (longrope looks only at which side of its original length)."""
+    rule = None if scaling is None else {k: list(v) if isinstance(v, tuple) else v for k, v in scaling}
+    seq_len = rule["original_max_position_embeddings"] + 1 if long else 0
+    inv_freq, attention = rope_frequencies(rotary_dim, base, rule, seq_len)
+    return inv_freq.to(device), attention
+
+
+def _hashable(scaling: dict | None) -> tuple | None:
+    """A scaling rule as a cache key (lists of longrope factors as tuples)."""
+    if scaling is None:
+        return None
+    return tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in scaling.items()))
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
