@@ -40,8 +40,12 @@ and left padding behave as in plain decoding. The stream yields a token for ever
 as every row has one, and treats ``eos_token`` as plain decoding does.
 
 The draft length adapts: it grows by 2 (up to ``max_k``) after a round where every draft stood
-and shrinks by 1 (down to 1) after one with a rejection; prompt lookup drafts nothing where the
-n-gram has no earlier occurrence, which costs what a plain step costs.
+and shrinks by 1 (down to 1) after one with a rejection. When even a single draft misses, the
+next rounds draft nothing (a plain step each, one token through the model) for 1, 2, 4, ... up
+to ``MAX_PAUSE`` rounds, doubling as long as the misses go on, until a round where every draft
+stands. Prompt lookup also drafts
+nothing where the n-gram has no earlier occurrence. So a drafter that keeps missing costs little
+more than plain decoding.
 """
 from __future__ import annotations
 
@@ -339,6 +343,9 @@ def _judge(logits: Tensor, rnd: _Round, sample: dict) -> tuple[Tensor, Tensor, T
     return v, new, stands & kept.bool()
 
 
+MAX_PAUSE = 64  # the most plain rounds between two tries of a drafter that keeps missing
+
+
 def _finish(seq: Tensor, lens: Tensor, T: int, eos_token: int) -> None:
     """A row that committed ``eos_token`` has it to the end, all of it committed (in place)."""
     new = seq[:, T:]  # (B, max_new) a view
@@ -373,6 +380,7 @@ def decode(model: nn.Module, spec: Speculative, idx: Tensor, max_new_tokens: int
     stats.forwards += 1
     finished = None if eos_token is None else torch.zeros(B, dtype=torch.bool, device=device)  # (B,)
     L, k, yielded = T, spec.k, 0
+    pause, backoff = 0, 1  # rounds left without drafting, and the next pause's length
     while True:
         if eos_token is not None:
             _finish(seq, lens, T, eos_token)
@@ -386,7 +394,8 @@ def decode(model: nn.Module, spec: Speculative, idx: Tensor, max_new_tokens: int
             yield tok
             if yielded == max_new_tokens or (finished is not None and bool(finished.all())):
                 return
-        rnd = drafter.draft(seq, lens, L, min(k + 1, end - 1 - L), start, mask, sample)
+        rnd = drafter.draft(seq, lens, L, 1 if pause else min(k + 1, end - 1 - L), start, mask, sample)
+        pause = max(0, pause - 1)
         v, new, stood = _judge(drafter.verify(rnd, cache, mask), rnd, sample)
         stats.forwards += 1
         m, rows = rnd.m, torch.arange(B, device=device)
@@ -397,8 +406,12 @@ def decode(model: nn.Module, spec: Speculative, idx: Tensor, max_new_tokens: int
         lens = torch.maximum(lens, L + v + 1)
         drafted, accepted = int(rnd.drafted[:, 1:].sum()), int(stood.sum())
         stats.drafted, stats.accepted = stats.drafted + drafted, stats.accepted + accepted
-        if drafted:
-            k = min(spec.max_k, k + 2) if accepted == drafted else max(1, k - 1)
+        if drafted and accepted == drafted:
+            k, backoff = min(spec.max_k, k + 2), 1
+        elif drafted and accepted == 0 and k == 1:  # a single draft missed: plain steps for a while
+            pause, backoff = backoff, min(2 * backoff, MAX_PAUSE)
+        elif drafted:
+            k = max(1, k - 1)
         L += int(v.min())
         for layer in cache:
             layer.truncate(L)
