@@ -12,7 +12,7 @@ folder written by ``transformers``' ``save_pretrained``, or a GGUF file of llama
   :class:`~selfattn.tokenizers.BPETokenizer` streams it (byte-level or SentencePiece-style BPE),
   else none (:meth:`Loaded.require_tokenizer` says so); the bos, eos and chat template beside it.
   Any other ``model_type`` is refused, naming it and the file;
-- GGUF file (``.gguf``, :mod:`selfattn.formats.gguf`): its metadata as a ``config.json`` and its
+- GGUF file (``.gguf``, or any file that starts as one; :mod:`selfattn.formats.gguf`): its metadata as a ``config.json`` and its
   tensors, dequantised one at a time, by the same mapping; its tokenizer, bos, eos and chat
   template from its metadata.
 
@@ -72,8 +72,9 @@ def load(path: str | os.PathLike) -> Loaded:
     """
     path = Path(path)
     if not path.exists():
-        raise ValueError(f"{str(path)!r} does not exist (expected a run folder, a checkpoint file or a GPT-2 folder)")
-    if path.is_file() and path.suffix == ".gguf":
+        raise ValueError(f"{str(path)!r} does not exist (expected a run folder, a checkpoint file, a transformers "
+                         f"folder or a GGUF file)")
+    if path.is_file() and (path.suffix == ".gguf" or _starts_gguf(path)):
         return _load_gguf(path)
     if path.is_dir():
         found = checkpoint.read_latest(path)  # checkpoints first: a run folder's config.json is our own
@@ -161,6 +162,12 @@ def _load_gguf(path: Path) -> Loaded:
     start = special.get("bos", None if tokenizer is None else _newline(tokenizer))
     eos = tuple(dict.fromkeys(special[name] for name in ("eos", "eot") if name in special))
     return Loaded(model, tokenizer, start, path, eos, chat, why or Loaded.no_tokenizer)
+
+
+def _starts_gguf(path: Path) -> bool:
+    """Whether the file starts as a GGUF file does, whatever its name."""
+    with open(path, "rb") as f:
+        return f.read(4) == b"GGUF"
 
 
 def _family_model(family, hf: dict, where: str) -> GPT:

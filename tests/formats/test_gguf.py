@@ -222,3 +222,10 @@ def test_a_sentencepiece_tokenizer_gives_the_ids_transformers_makes_of_its_score
         assert ids == theirs.encode(text, add_special_tokens=False), text
         assert "".join(text_pieces(ours, ids)).removeprefix(" ") == text
     assert len(ours.encode(TEXTS[0])) < len(TEXTS[0]) / 2  # merged, not spelt out
+
+
+def test_a_gguf_file_is_known_by_its_first_bytes_whatever_its_name(hf, vocab, tmp_path):
+    path = gguf_files.write(tmp_path / "m.gguf", hf)
+    renamed = path.rename(tmp_path / "weights.bin")  # a name the loader would otherwise read as torch.save's
+    assert torch.equal(logits(loading.load(renamed).model.eval(), ids(vocab)), logits(loading.load(
+        gguf_files.write(tmp_path / "again.gguf", hf)).model.eval(), ids(vocab)))

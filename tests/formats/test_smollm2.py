@@ -107,7 +107,8 @@ def test_sample_chat_answers_paris_and_stops_at_eos(capsys):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("command", [["check"], ["heads", "--text", "the cat sat, the cat sat"],
+@pytest.mark.parametrize("command", [["check", "--method", "perturb", "--seq-len", "8"],  # the 30 layers are slow:
+                                     ["heads", "--text", "the cat sat, the cat sat", "--layers", "0,29"],  # a few
                                      ["explore", "--text", "the cat sat, the cat sat"]])
 def test_explore_heads_and_check_run_on_it(command, tmp_path, capsys):
     out = ["--out", str(tmp_path / ("page.html" if command[0] == "explore" else "heads"))] \
