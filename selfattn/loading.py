@@ -12,9 +12,9 @@ folder written by ``transformers``' ``save_pretrained``, or a GGUF file of llama
   :class:`~selfattn.tokenizers.BPETokenizer` streams it (byte-level or SentencePiece-style BPE),
   else none (:meth:`Loaded.require_tokenizer` says so); the bos, eos and chat template beside it.
   Any other ``model_type`` is refused, naming it and the file;
-- GGUF file (``.gguf``, or any file that starts as one; :mod:`selfattn.formats.gguf`): its metadata as a ``config.json`` and its
-  tensors, dequantised one at a time, by the same mapping; its tokenizer, bos, eos and chat
-  template from its metadata.
+- GGUF file (``.gguf``, or any file that starts as one; :mod:`selfattn.formats.gguf`): its
+  metadata as a ``config.json`` and its tensors, dequantised one at a time, by the same mapping;
+  its tokenizer, bos, eos and chat template from its metadata.
 
 A model loads whole or not at all: weights with a tensor missing or one the model lacks are
 refused, naming them. A family's weights are copied into the model one tensor at a time. Each
