@@ -1,6 +1,7 @@
 """The layout's rules, checked on the source itself.
 
-Imports flow one way (no cycle between files of the package); only the command package
+Imports flow one way (no cycle between files of the package; models, tokenizers and formats import
+nothing of the loader, training, the tools or the commands above them); only the command package
 parses flags, prints or exits; the dispatcher imports no command it does not run; every
 backend declares the one contract; no run of six identical lines of code stands twice.
 """
