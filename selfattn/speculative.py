@@ -76,7 +76,7 @@ class SpeculationStats:
 
     @property
     def acceptance_rate(self) -> float:
-        """The share of judged drafts that stood (0.0 before any)."""
+        """The share of proposed drafts that stood (0.0 before any)."""
         return self.accepted / self.drafted if self.drafted else 0.0
 
     @property
