@@ -224,6 +224,10 @@ def _reader(path: Path):
                 raise _Truncated(int(offset), end)
             return super()._get(offset, dtype, count, override_order)
 
+        def _build_tensor_info(self, offs, count):
+            self.describing = True  # the tensors' names, shapes and types, after the metadata
+            return super()._build_tensor_info(offs, count)
+
         def _build_tensors(self, start_offs, fields):
             self.tensor_infos = [(str(bytes(f.parts[1]), "utf-8"), start_offs + int(f.parts[5][0])) for f in fields]
             return super()._build_tensors(start_offs, fields)
@@ -244,6 +248,8 @@ def _cut(reader, offset: int) -> str:
     infos = getattr(reader, "tensor_infos", None)
     if infos:
         return "tensor " + max((start, name) for name, start in infos if start <= offset)[1]
+    if getattr(reader, "describing", False):
+        return "the tensor descriptions after the metadata"
     fields = [name for name in getattr(reader, "fields", {}) if not name.startswith("GGUF.")]
     return f"the metadata field after {fields[-1]}" if fields else "the header"
 

@@ -136,6 +136,8 @@ def _cut(path, keep):
 @pytest.mark.parametrize("damage, words", [
     (lambda p: _cut(p, -100), ["truncated GGUF file", "tensor output_norm.weight needs bytes up to"]),
     (lambda p: _cut(p, 300), ["truncated GGUF file", "the metadata field after llama.", "needs bytes up to"]),
+    (lambda p: _cut(p, gguf.GGUFReader(p).tensors[0].field.offset + 9),
+     ["truncated GGUF file", "the tensor descriptions after the metadata needs bytes up to"]),
     (lambda p: _cut(p, 2), ["not a GGUF file (it starts with b'GG', not b'GGUF')"]),
     (lambda p: p.write_bytes(b"PK\x03\x04 a zip, not a model") and p,
      ["not a GGUF file (it starts with b'PK\\x03\\x04'"]),
