@@ -217,6 +217,8 @@ def test_decode_quick_run_writes_json_and_plot(tmp_path, capsys):
             "targets"} <= set(result)
     bw = result["bandwidth"]
     assert bw["gbps"] == max(bw["sum_gbps"], bw["copy_gbps"], bw["matvec_gbps"]) > 0 and bw["bytes"] == 16 * 2 ** 20
+    assert bw["gbps"] == max(bw["before"]["gbps"], bw["after"]["gbps"])  # measured at both ends of the run
+    assert all(r["roofline_fraction"] == r["achieved_gbps"] / bw["gbps"] for r in result["results"] if not r["estimated"])
     rows = {(r["impl"], r["dtype"], r["batch"]): r for r in result["results"]}
     assert set(rows) == {(i, d, b) for i in ("kv-cache", "hf-sdpa") for d in ("float32", "bfloat16")
                          for b in (1, 2)} | {("no-cache", "float32", 1)}
@@ -239,7 +241,7 @@ def test_decode_quick_run_writes_json_and_plot(tmp_path, capsys):
     assert checks["float32"]["vs_hf_err"] < 1e-4 and checks["float32"]["cache_err"] < 1e-4
     assert checks["bfloat16"]["vs_hf_err"] < 5e-2
     out = capsys.readouterr().out
-    assert "x roof" in out and "streaming bandwidth over 16 MiB" in out and "GPT-2-small shape: batch-1 decode" in out
+    assert "x roof" in out and "streaming bandwidth after the rows, over 16 MiB" in out and "GPT-2-small shape: batch-1 decode" in out
     assert len(result["targets"]) == 8 and result["ckpt"] is None
 
 
