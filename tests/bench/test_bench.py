@@ -266,10 +266,12 @@ def _tiny_llama_folder(path):
 
 def test_decode_ckpt_rows_time_ours_and_transformers_eager_and_sdpa_on_our_weights(tmp_path):
     model = _tiny_llama_folder(tmp_path / "llama")
-    s = decode.Settings(**(vars(decode.QUICK) | dict(prompts=(4,), new_tokens=3, batches=(1, 2), dtypes=("float32",),
-                                                     reps=1, ckpt=str(tmp_path / "llama"), ckpt_prompt=8,
-                                                     ckpt_new_tokens=4, bandwidth_mib=16)))
-    result = decode.run(s, torch.device("cpu"), log=lambda _: None)
+    assert cli_main(["bench", "decode", "--quick", "--threads", "1", "--out", str(tmp_path / "out"), "--prompts", "4",
+                     "--new-tokens", "3", "--batches", "1", "2", "--dtypes", "float32", "--reps", "1",
+                     "--ckpt", str(tmp_path / "llama"), "--ckpt-prompt", "8", "--ckpt-new-tokens", "4",
+                     "--bandwidth-mib", "16"]) == 0
+    result = json.loads((tmp_path / "out" / "decode.json").read_text())
+    assert result["settings"]["ckpt"] == str(tmp_path / "llama") and result["settings"]["dtypes"] == ["float32"]
     assert result["ckpt"]["name"] == "llama" and result["ckpt"]["params"] == model.num_params()
     rows = {(r["impl"], r["batch"]): r for r in result["results"] if r["model"] == "llama"}
     assert set(rows) == {(i, b) for i in ("kv-cache", "hf-sdpa", "hf-eager") for b in (1, 2)}
@@ -410,3 +412,15 @@ def test_bad_settings_are_value_errors_naming_the_value():
         decode.Settings(batches=(0,)).check()
     with pytest.raises(ValueError, match="device 'tpu9' is not a torch device"):
         _validate.device("tpu9")
+
+
+def test_decode_flags_set_the_settings_and_no_ckpt_drops_the_checkpoint():
+    from selfattn.cli import bench as bench_cli, build_parser
+    argv = ["bench", "decode", "--batches", "1", "4", "--dtypes", "bfloat16", "--ckpt-prompt", "64", "--no-memory"]
+    s = bench_cli._settings("decode", build_parser(argv).parse_args(argv))
+    assert (s.batches, s.dtypes, s.ckpt_prompt, s.memory, s.ckpt) == ((1, 4), ("bfloat16",), 64, False,
+                                                                       decode.DEFAULT_CKPT)
+    argv = ["bench", "decode", "--no-ckpt"]
+    assert bench_cli._settings("decode", build_parser(argv).parse_args(argv)).ckpt is None
+    argv = ["bench", "decode", "--quick"]  # the quick settings never load a checkpoint
+    assert bench_cli._settings("decode", build_parser(argv).parse_args(argv)).ckpt is None
