@@ -1,6 +1,6 @@
 """Benchmarks against the peers, in one run: attention T sweep, decode tokens/s, train tokens/s.
 
-``selfattn bench attention|decode|train|masks|context-parallel|triton|calibrate|all [--out DIR]
+``selfattn bench attention|decode|speculative|train|masks|context-parallel|triton|calibrate|all [--out DIR]
 [--quick] [--device D] [--threads N]`` runs the suites of :mod:`selfattn.bench`;
 ``selfattn bench calibrate --show`` says what ``auto`` follows on this machine. Each prints its tables
 and targets and writes ``DIR/<suite>.json`` and ``DIR/<suite>.png``; a failed correctness check
@@ -15,11 +15,24 @@ import os
 import sys
 
 from selfattn import _files, _validate
-from selfattn.bench import (GPU_ONLY, NOT_IN_ALL, SUITES, attention, calibrate, common, context_parallel, decode,
-                            masks, train)
+from selfattn.bench import (
+    GPU_ONLY,
+    NOT_IN_ALL,
+    SUITES,
+    attention,
+    calibrate,
+    common,
+    context_parallel,
+    decode,
+    masks,
+    speculative,
+    train,
+)
 
 HELP = {"attention": "attention layers: our backends vs the peers over a T sweep",
         "decode": "prefill and decode speed, memory roofline and peak memory: ours vs transformers' generate",
+        "speculative": "speculative decoding on a real model: prompt lookup and self-speculation vs plain and "
+                       "transformers' generate (with its prompt lookup), a chat answer and an edit",
         "train": "training-step tokens/s: our GPT vs a nanoGPT-equivalent model",
         "masks": "windows, documents, padding: every backend and auto's choice vs dense SDPA and FlexAttention",
         "context-parallel": "ring attention over N local processes vs one: memory per rank, bytes sent, balance",
@@ -136,6 +149,21 @@ def _decode_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-memory", action="store_true", help="do not measure peak memory")
 
 
+def _speculative_flags(p: argparse.ArgumentParser) -> None:
+    full = speculative.FULL
+    p.add_argument("--ckpt", default=None, metavar="PATH",
+                   help="the model (with a tokenizer and a chat template); default: SmolLM2-135M-Instruct's GGUF "
+                        "file in .cache/models (`make models`); --quick: a small random model")
+    p.add_argument("--workloads", nargs="+", choices=tuple(speculative.WORKLOADS), default=None,
+                   help="which prompts (default: all)")
+    p.add_argument("--new-tokens", type=int, default=None,
+                   help=f"tokens to generate at most, each row stopping at the end of its answer (default "
+                        f"{full.new_tokens})")
+    p.add_argument("--dtype", choices=tuple(common.DTYPES), default=None, help=f"default {full.dtype}")
+    p.add_argument("--self-layers", type=int, default=None,
+                   help="N of self:N, the blocks that draft (default: a quarter of the model's)")
+
+
 def _train_flags(p: argparse.ArgumentParser) -> None:
     full, quick = train.FULL, train.QUICK
     p.add_argument("--batch-size", type=int, default=None,
@@ -190,6 +218,7 @@ def _calibrate_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--show", action="store_true", help="say what auto follows on this machine; time nothing")
 
 
-SUITE_FLAGS = {"attention": _attention_flags, "decode": _decode_flags, "train": _train_flags,
+SUITE_FLAGS = {"attention": _attention_flags, "decode": _decode_flags, "speculative": _speculative_flags,
+               "train": _train_flags,
                "masks": _masks_flags, "context-parallel": _context_parallel_flags, "triton": _triton_flags,
                "calibrate": _calibrate_flags}
