@@ -122,9 +122,10 @@ def test_explore_heads_and_check_run_on_it(command, tmp_path, capsys):
 def test_bench_decode_times_it_against_transformers(tmp_path, capsys):
     import json
 
-    assert main(["bench", "decode", "--quick", "--ckpt", str(smollm2()), "--prompts", "8", "--batches", "1",
-                 "--dtypes", "float32", "--new-tokens", "4", "--ckpt-prompt", "8", "--ckpt-new-tokens", "4",
-                 "--reps", "1", "--no-memory", "--bandwidth-mib", "16", "--out", str(tmp_path)]) == 0
+    assert main(["bench", "decode", "--quick", "--threads", "1", "--ckpt", str(smollm2()), "--prompts", "8",
+                 "--batches", "1", "--dtypes", "float32", "--new-tokens", "4", "--ckpt-prompt", "8",
+                 "--ckpt-new-tokens", "4", "--reps", "1", "--no-memory", "--bandwidth-mib", "16",
+                 "--out", str(tmp_path)]) == 0  # one thread: beside another test worker, 140 s -> about 20 s
     result = json.loads((tmp_path / "decode.json").read_text())
     assert result["ckpt"]["name"] == "SmolLM2-135M-Instruct.Q4_1" and result["ckpt"]["params"] > 134e6
     assert "SmolLM2-135M-Instruct.Q4_1 float32: cached vs full" in capsys.readouterr().out
