@@ -16,7 +16,7 @@ import transformers  # noqa: E402  (the [hf] extra, part of [dev])
 
 from selfattn import loading  # noqa: E402
 from selfattn.cli import main  # noqa: E402
-from selfattn.model import RMSNorm  # noqa: E402
+from selfattn.norms import RMSNorm  # noqa: E402
 from selfattn.tokenizers import BPETokenizer  # noqa: E402
 
 transformers.logging.set_verbosity_error()
@@ -88,7 +88,8 @@ def test_each_config_is_mapped_to_data(family):
     assert cfg.window == {"mistral": WINDOW, "qwen2-sliding": 12}.get(name)
     assert cfg.tie_embeddings == (ours.lm_head.weight is ours.wte.weight) == hf.config.tie_word_embeddings
     assert attn.head_dim == (32 if name == "llama" else 16)
-    assert (attn.qkv.bias is not None, attn.proj.bias is not None, ours.blocks[0].mlp.up_proj.bias is not None) == {
+    mlp = ours.blocks[0].mlp
+    assert (attn.qkv.bias is not None, attn.proj.bias is not None, mlp.gate_up_proj.bias is not None) == {
         "llama-tied-biased": (True, True, True), "qwen2": (True, False, False),
         "qwen2-sliding": (True, False, False)}.get(name, (False, False, False))
 
@@ -128,14 +129,16 @@ def edit_config(folder, **changes):
 
 
 @pytest.mark.parametrize("case, changes, words", [
-    ("llama", dict(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}),
-     ["rope_type 'linear' is not supported", "'default' only"]),
+    ("llama", dict(rope_parameters={"rope_type": "proportional", "factor": 2.0, "rope_theta": 10000.0}),
+     ["rope_type 'proportional' is not supported", "'default', 'linear', 'llama3', 'yarn', 'longrope'"]),
     ("mistral", dict(rope_scaling={"type": "dynamic", "factor": 2.0}), ["rope_type 'dynamic'"]),
+    ("llama", dict(rope_parameters={"rope_type": "llama3", "factor": 8.0, "rope_theta": 10000.0}),
+     ["rope_type 'llama3' needs factor, low_freq_factor, high_freq_factor", "no low_freq_factor, high_freq_factor"]),
     ("llama", dict(hidden_act="gelu"), ["hidden_act 'gelu' is not supported"]),
-    ("qwen2", dict(use_sliding_window=True, sliding_window=8, layer_types=["full_attention", "sliding_attention"]),
-     ["some layers slide over a window of 8 and others do not"]),
+    ("qwen2", dict(use_sliding_window=True, sliding_window=8, layer_types=["full_attention", "local"]),
+     ["layer_types must list 2 of 'full_attention', 'sliding_attention'"]),
     ("llama", dict(num_key_value_heads=3), ["n_head=4 is not a multiple of n_kv_head=3"]),
-    ("mistral", dict(hidden_size=None), ["n_embd", "None"]),
+    ("mistral", dict(hidden_size=None), ["a mistral config.json needs hidden_size"]),
 ])
 def test_configs_the_decoder_cannot_compute_are_refused_naming_file_and_value(case, changes, words, tmp_path):
     _, folder = saved(case, tmp_path)
@@ -191,9 +194,9 @@ def test_a_folder_without_a_readable_tokenizer_loads_and_text_commands_say_why_n
         assert out == "" and err == (f"selfattn {command[0]}: error: {folder} has no tokenizer selfattn can read "
                                      f"(it reads byte-level and SentencePiece-style BPE tokenizer.json files), so "
                                      f"this model cannot encode or decode text\n")
-    assert main(["export", "--ckpt", str(folder), "--out", str(tmp_path / "hf")]) == 2
+    assert main(["export", "--ckpt", str(folder), "--out", str(tmp_path / "hf")]) == 2  # a Mistral, but no text
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "norm='rmsnorm': GPT-2 normalises with LayerNorm" in err
+    assert err.count("\n") == 1 and "has no tokenizer selfattn can read" in err and not (tmp_path / "hf").exists()
     assert main(["heads", "--ckpt", str(folder), "--length", "4", "--out", str(tmp_path / "heads")]) == 0
 
 
