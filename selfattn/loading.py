@@ -171,10 +171,11 @@ def _starts_gguf(path: Path) -> bool:
 
 
 def _family_model(family, hf: dict, where: str) -> GPT:
-    """The decoder ``hf`` (a config.json dict, read from ``where``) describes, its weights random."""
+    """The decoder ``hf`` (a config.json dict, read from ``where``) describes, its weights allocated
+    and left for the loader to fill (every one of them: :func:`selfattn.models.load`)."""
     config = family.config(hf, where)
     try:
-        return GPT(config)
+        return GPT.empty(config)
     except (TypeError, ValueError) as e:  # sizes the attention refuses (heads, window)
         raise type(e)(f"{where}: {e}") from None
 

@@ -331,6 +331,18 @@ class GPT(nn.Module):
             if block.mlp is not None:
                 nn.init.normal_(block.mlp.out_weight, mean=0.0, std=residual_std)
 
+    @classmethod
+    def empty(cls, config: GPTConfig) -> GPT:
+        """A model of ``config`` whose weights are allocated but not initialised, for a loader that
+        fills every one of them (built on the meta device: no random numbers drawn, no time spent
+        on an initialisation the loaded weights replace). A tied head stays tied."""
+        with torch.device("meta"):
+            model = cls(config)
+        model.to_empty(device="cpu")
+        if config.tie_embeddings:
+            model.lm_head.weight = model.wte.weight  # to_empty gives each module a tensor of its own
+        return model
+
     def num_params(self, non_embedding: bool = False) -> int:
         """Number of parameters (a tied embedding/head counted once). ``non_embedding``
         leaves out the position embeddings; the token embedding stays (tied, it is also the head)."""

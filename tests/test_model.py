@@ -205,3 +205,18 @@ def test_idx_on_another_device():
     model = GPT(small()).to("meta")  # any device other than the CPU
     with pytest.raises(ValueError, match="idx is on cpu but the model is on meta"):
         model(torch.zeros(1, 3, dtype=torch.long))
+
+
+def test_an_empty_model_has_the_shapes_and_ties_and_draws_no_random_number():
+    cfg = small(**VARIANTS["gemma-shaped"])
+    state = torch.random.get_rng_state()
+    empty = GPT.empty(cfg)
+    assert torch.equal(torch.random.get_rng_state(), state)  # nothing drawn: the loader fills every weight
+    like = GPT(cfg).state_dict()
+    assert {k: v.shape for k, v in empty.state_dict().items()} == {k: v.shape for k, v in like.items()}
+    assert empty.lm_head.weight is empty.wte.weight and empty.wte.weight.device.type == "cpu"
+    full = GPT(cfg).eval()
+    full.load_state_dict(like)
+    empty.load_state_dict(like)
+    idx = torch.randint(0, 61, (1, 6))
+    assert torch.equal(empty.eval()(idx)[0], full(idx)[0])
