@@ -287,7 +287,8 @@ def _ckpt_rows(settings: Settings, device, peak, g, log) -> tuple[dict, list[dic
     base = load(path).model.to(device).eval()
     if base.max_positions is not None and P + N - 1 > base.max_positions:
         raise ValueError(f"{path}: prompt {P} + {N} new tokens exceeds its block_size={base.config.block_size}")
-    info = {"path": str(path), "status": "ok", "name": name, "params": base.num_params(), "n_layer": base.config.n_layer,
+    info = {"path": str(path), "status": "ok", "name": name, "params": base.num_params(),
+            "n_layer": base.config.n_layer,
             "n_embd": base.config.n_embd, "n_head": base.config.n_head,
             "n_kv_head": base.config.n_kv_head or base.config.n_head, "vocab_size": base.config.vocab_size}
     log(f"model {name}: {info['n_layer']} layers, C={info['n_embd']}, H={info['n_head']}, Hkv={info['n_kv_head']}, "
@@ -357,7 +358,8 @@ def _hf(hf, attn: str, idx: torch.Tensor, n: int, device) -> tuple[float, float,
     clock = FirstToken()
     common.sync(device)
     start = time.perf_counter()
-    out = hf.generate(idx, attention_mask=torch.ones_like(idx), max_new_tokens=n, do_sample=False, use_cache=True, stopping_criteria=StoppingCriteriaList([clock]))
+    out = hf.generate(idx, attention_mask=torch.ones_like(idx), max_new_tokens=n, do_sample=False, use_cache=True,
+                      stopping_criteria=StoppingCriteriaList([clock]))
     common.sync(device)
     end = time.perf_counter()
     return clock.first - start, end - clock.first, out[:, idx.shape[1]:]
@@ -484,7 +486,8 @@ def targets(result: dict) -> list[dict]:
                       status(roof, lambda x: x >= 0.85),
                       (listing(roof, "{:.2f}") if roof else "not measured")
                       + (f" of {bw:.1f} GB/s" if roof else "")),
-        common.target("GPT-2-small shape: batch-1 decode >= 1.3x transformers' generate", status(gpt2, lambda x: x >= 1.3),
+        common.target("GPT-2-small shape: batch-1 decode >= 1.3x transformers' generate",
+                      status(gpt2, lambda x: x >= 1.3),
                       listing(gpt2) or "not measured"),
         common.target(f"{ckpt or 'checkpoint'}: batch-1 decode >= 2.5x the faster of transformers eager/SDPA",
                       status(small, lambda x: x >= 2.5), listing(small) or none),
@@ -520,7 +523,19 @@ def report(result: dict) -> str:
             f"(weights + resident growth) and x (weights + cache)",
         common.table(["model", "impl", "dtype", "B", "prompt", "new", "prefill ms", "decode tok/s", "tok/s",
                       "GB/s", "x roof", "peak MiB", "x w+c", "note"], body),
-        f"checks (relative logit error): {checks}", "", common.format_targets(result["targets"])])
+        f"checks (relative logit error): {checks}", *_over_roofline(result), "",
+        common.format_targets(result["targets"])])
+
+
+def _over_roofline(result: dict) -> list[str]:
+    """A warning line when a batch-1 row read faster than the roofline: a batch-1 step reads
+    every weight once, so the bandwidth was measured while the machine was busier than then."""
+    over = [r for r in _ok(result, batch=1) if r.get("roofline_fraction", 0.0) > 1.0]
+    if not over:
+        return []
+    return [f"warning: {len(over)} batch-1 row(s) above the roofline (up to "
+            f"{max(r['roofline_fraction'] for r in over):.2f}x): the bandwidth tests ran while this machine was "
+            f"busier than during those rows; rerun on a quiet machine"]
 
 
 def plot(result: dict, path: Path) -> Path:

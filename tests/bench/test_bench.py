@@ -218,7 +218,8 @@ def test_decode_quick_run_writes_json_and_plot(tmp_path, capsys):
     bw = result["bandwidth"]
     assert bw["gbps"] == max(bw["sum_gbps"], bw["copy_gbps"], bw["matvec_gbps"]) > 0 and bw["bytes"] == 16 * 2 ** 20
     assert bw["gbps"] == max(bw["before"]["gbps"], bw["after"]["gbps"])  # measured at both ends of the run
-    assert all(r["roofline_fraction"] == r["achieved_gbps"] / bw["gbps"] for r in result["results"] if not r["estimated"])
+    assert all(r["roofline_fraction"] == r["achieved_gbps"] / bw["gbps"]
+               for r in result["results"] if not r["estimated"])
     rows = {(r["impl"], r["dtype"], r["batch"]): r for r in result["results"]}
     assert set(rows) == {(i, d, b) for i in ("kv-cache", "hf-sdpa") for d in ("float32", "bfloat16")
                          for b in (1, 2)} | {("no-cache", "float32", 1)}
@@ -241,7 +242,8 @@ def test_decode_quick_run_writes_json_and_plot(tmp_path, capsys):
     assert checks["float32"]["vs_hf_err"] < 1e-4 and checks["float32"]["cache_err"] < 1e-4
     assert checks["bfloat16"]["vs_hf_err"] < 5e-2
     out = capsys.readouterr().out
-    assert "x roof" in out and "streaming bandwidth after the rows, over 16 MiB" in out and "GPT-2-small shape: batch-1 decode" in out
+    assert "x roof" in out and "streaming bandwidth after the rows, over 16 MiB" in out
+    assert "GPT-2-small shape: batch-1 decode" in out
     assert len(result["targets"]) == 8 and result["ckpt"] is None
 
 
@@ -378,6 +380,15 @@ def test_decode_targets_pass_and_miss_on_the_measured_numbers():
     assert [t["status"] for t in decode.targets({"results": [], "bandwidth": {"gbps": 1.0}})] == ["n/a"] * 8
 
 
+def test_decode_report_warns_when_a_batch_1_row_reads_faster_than_the_roofline():
+    result = _decode_result(ours_tps=30.0, hf_tps=10.0, gbps=18.0, peak=1.1, prefill=1.0)
+    for r in result["results"]:
+        r["roofline_fraction"] = r["achieved_gbps"] / 20.0
+    assert decode._over_roofline(result) == []  # 0.9 of the roofline: possible
+    result["results"][0]["roofline_fraction"] = 1.3
+    assert "1 batch-1 row(s) above the roofline (up to 1.30x)" in decode._over_roofline(result)[0]
+
+
 def test_train_quick_run_writes_json_and_plot(tmp_path):
     assert cli_main(["bench", "train", "--quick", "--threads", "1", "--out", str(tmp_path)]) == 0
     result = json.loads((tmp_path / "train.json").read_text())
@@ -415,7 +426,8 @@ def test_bad_settings_are_value_errors_naming_the_value():
 
 
 def test_decode_flags_set_the_settings_and_no_ckpt_drops_the_checkpoint():
-    from selfattn.cli import bench as bench_cli, build_parser
+    from selfattn.cli import bench as bench_cli
+    from selfattn.cli import build_parser
     argv = ["bench", "decode", "--batches", "1", "4", "--dtypes", "bfloat16", "--ckpt-prompt", "64", "--no-memory"]
     s = bench_cli._settings("decode", build_parser(argv).parse_args(argv))
     assert (s.batches, s.dtypes, s.ckpt_prompt, s.memory, s.ckpt) == ((1, 4), ("bfloat16",), 64, False,
