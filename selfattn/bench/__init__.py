@@ -13,6 +13,8 @@ settings, ``run(settings, device, log=...) -> result``, ``report(result) -> text
 - ``speculative`` (:mod:`~selfattn.bench.speculative`): speculative decoding on a real model (prompt
   lookup, self-speculation) against plain decoding and ``transformers``' ``generate`` with and
   without prompt lookup, on a chat answer and an edit that repeats its prompt;
+- ``int8`` (:mod:`~selfattn.bench.quantized`): weight-only int8 against the float model on a real
+  model: perplexity and top-1 agreement on the built-in corpus, batch-1 decode time per token;
 - ``train`` (:mod:`~selfattn.bench.train`): tokens/s of a training step, our GPT vs a
   nanoGPT-equivalent model;
 - ``masks`` (:mod:`~selfattn.bench.masks`): windows, packed documents, padding and plain causal
@@ -29,9 +31,20 @@ Every implementation is checked against the reference before it is timed
 (:class:`~selfattn.bench.common.CorrectnessError` otherwise). The implementations and peers
 live in :mod:`~selfattn.bench.impls` and :mod:`~selfattn.bench.peers`.
 """
-from selfattn.bench import attention, calibrate, context_parallel, decode, masks, speculative, train, triton_gpu
+from selfattn.bench import (
+          attention,
+          calibrate,
+          context_parallel,
+          decode,
+          masks,
+          quantized,
+          speculative,
+          train,
+          triton_gpu,
+)
 
-SUITES = {"attention": attention, "decode": decode, "speculative": speculative, "train": train, "masks": masks,
+SUITES = {"attention": attention, "decode": decode, "speculative": speculative, "int8": quantized, "train": train,
+          "masks": masks,
           "context-parallel": context_parallel, "triton": triton_gpu, "calibrate": calibrate}
 GPU_ONLY = ("triton",)  # left out of ``all`` where there is no CUDA device
 NOT_IN_ALL = ("calibrate",)  # it tunes auto, it benchmarks no peer

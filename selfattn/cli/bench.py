@@ -1,6 +1,6 @@
 """Benchmarks against the peers, in one run: attention T sweep, decode tokens/s, train tokens/s.
 
-``selfattn bench attention|decode|speculative|train|masks|context-parallel|triton|calibrate|all [--out DIR]
+``selfattn bench attention|decode|speculative|int8|train|masks|context-parallel|triton|calibrate|all [--out DIR]
 [--quick] [--device D] [--threads N]`` runs the suites of :mod:`selfattn.bench`;
 ``selfattn bench calibrate --show`` says what ``auto`` follows on this machine. Each prints its tables
 and targets and writes ``DIR/<suite>.json`` and ``DIR/<suite>.png``; a failed correctness check
@@ -25,6 +25,7 @@ from selfattn.bench import (
     context_parallel,
     decode,
     masks,
+    quantized,
     speculative,
     train,
 )
@@ -33,6 +34,7 @@ HELP = {"attention": "attention layers: our backends vs the peers over a T sweep
         "decode": "prefill and decode speed, memory roofline and peak memory: ours vs transformers' generate",
         "speculative": "speculative decoding on a real model: prompt lookup and self-speculation vs plain and "
                        "transformers' generate (with its prompt lookup), a chat answer and an edit",
+        "int8": "weight-only int8 vs the float model: perplexity, top-1 agreement, decode time per token",
         "train": "training-step tokens/s: our GPT vs a nanoGPT-equivalent model",
         "masks": "windows, documents, padding: every backend and auto's choice vs dense SDPA and FlexAttention",
         "context-parallel": "ring attention over N local processes vs one: memory per rank, bytes sent, balance",
@@ -164,6 +166,15 @@ def _speculative_flags(p: argparse.ArgumentParser) -> None:
                    help="N of self:N, the blocks that draft (default: a quarter of the model's)")
 
 
+def _int8_flags(p: argparse.ArgumentParser) -> None:
+    full = quantized.FULL
+    p.add_argument("--ckpt", default=None, metavar="PATH",
+                   help="the model (with a tokenizer); default: SmolLM2-135M-Instruct's GGUF file in .cache/models "
+                        "(`make models`); --quick: a small random model")
+    p.add_argument("--dtype", choices=tuple(common.DTYPES), default=None, help=f"default {full.dtype}")
+    p.add_argument("--new-tokens", type=int, default=None, help=f"decoded tokens timed (default {full.new_tokens})")
+
+
 def _train_flags(p: argparse.ArgumentParser) -> None:
     full, quick = train.FULL, train.QUICK
     p.add_argument("--batch-size", type=int, default=None,
@@ -219,6 +230,7 @@ def _calibrate_flags(p: argparse.ArgumentParser) -> None:
 
 
 SUITE_FLAGS = {"attention": _attention_flags, "decode": _decode_flags, "speculative": _speculative_flags,
+               "int8": _int8_flags,
                "train": _train_flags,
                "masks": _masks_flags, "context-parallel": _context_parallel_flags, "triton": _triton_flags,
                "calibrate": _calibrate_flags}

@@ -1,0 +1,152 @@
+"""``selfattn bench int8``: what weight-only int8 (:mod:`selfattn.quantize`) costs in accuracy,
+and buys in decode speed, on a real model (default: SmolLM2-135M-Instruct's GGUF file).
+
+:func:`accuracy`: on windows of the built-in corpus (Python's ``pydoc_data`` topics, the text
+``selfattn train`` uses), tokenized by the model's own tokenizer, the float model's and the int8
+model's perplexity, and how often their next-token choices (argmax) agree.
+:func:`decode_speed`: batch-1 greedy decode time per token of both, interleaved in one run, and
+the bytes of their weights.
+"""
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from selfattn import _plot, _validate
+from selfattn.bench import common
+from selfattn.bench.decode import DEFAULT_CKPT
+from selfattn.model import GPT
+from selfattn.quantize import quantize_int8
+from selfattn.training.data import read_corpus
+
+
+def int8_twin(model: GPT) -> GPT:
+    """A weight-only int8 copy of ``model`` (the model itself untouched)."""
+    return quantize_int8(copy.deepcopy(model)).eval()
+
+
+@torch.inference_mode()
+def accuracy(model: GPT, twin: GPT, encode, *, windows: int = 8, length: int = 256) -> dict:
+    """Perplexity of ``model`` and its int8 ``twin`` over ``windows`` windows of ``length`` tokens
+    of the built-in corpus (``encode``: text -> token ids), and their top-1 agreement."""
+    text, _ = read_corpus(None)
+    ids = torch.tensor(encode(text[: windows * length * 8]))  # 8 characters a token is plenty
+    if ids.numel() < windows * (length + 1):
+        raise ValueError(f"the corpus gave {ids.numel()} tokens, fewer than {windows} windows of {length + 1}")
+    rows = ids[: windows * (length + 1)].view(windows, length + 1).to(model.wte.weight.device)  # (W, L + 1)
+    out = {"windows": windows, "length": length}
+    picks = {}
+    for name, m in (("float", model), ("int8", twin)):
+        logits = m(rows[:, :-1])[0].float()  # (W, L, V)
+        out[f"perplexity_{name}"] = math.exp(F.cross_entropy(logits.flatten(0, 1), rows[:, 1:].flatten()).item())
+        picks[name] = logits.argmax(-1)  # (W, L)
+    out["top1_agreement"] = (picks["float"] == picks["int8"]).float().mean().item()
+    return out
+
+
+def weight_bytes(model: GPT) -> int:
+    """Bytes of every parameter and buffer, each once."""
+    seen, total = set(), 0
+    for t in [*model.parameters(), *model.buffers()]:
+        if id(t) not in seen:
+            seen.add(id(t))
+            total += t.numel() * t.element_size()
+    return total
+
+
+def decode_speed(model: GPT, twin: GPT, idx: torch.Tensor, new_tokens: int, device, reps: int) -> dict:
+    """Seconds per decoded token (prefill excluded: the time of generating ``new_tokens`` minus
+    generating one) of ``model`` and ``twin``, interleaved over ``reps`` runs; and their tokens."""
+    def gen(m, n):
+        return lambda: list(m.generate(idx, n, temperature=0))
+
+    fns = {f"{name}-{n}": gen(m, n) for name, m in (("float", model), ("int8", twin)) for n in (1, new_tokens)}
+    times, _ = common.interleaved(fns, device, warmup=1, reps=reps)
+    out = {}
+    for name in ("float", "int8"):
+        step = (common.median(times[f"{name}-{new_tokens}"]) - common.median(times[f"{name}-1"])) / (new_tokens - 1)
+        out[f"{name}_s_per_token"] = step
+    out["int8_speedup"] = out["float_s_per_token"] / out["int8_s_per_token"]
+    out["weight_bytes_float"], out["weight_bytes_int8"] = weight_bytes(model), weight_bytes(twin)
+    return out
+
+
+@dataclass
+class Settings:
+    ckpt: str | None = DEFAULT_CKPT  # the model; None: a small random Llama-shaped one, byte tokens
+    dtype: str = "float32"  # the float model's (and the int8 model's activations')
+    prompt: int = 64  # tokens before the timed decode
+    new_tokens: int = 64
+    reps: int = 3
+    windows: int = 8  # corpus windows the accuracy is measured on
+    length: int = 256  # tokens per window
+
+    def check(self) -> None:
+        _validate.positive_ints(prompt=self.prompt, new_tokens=self.new_tokens, reps=self.reps, windows=self.windows,
+                                length=self.length)
+        if self.new_tokens < 2:
+            raise ValueError(f"new_tokens must be at least 2 (decode time = n tokens - 1 token), got {self.new_tokens}")
+        if self.dtype not in common.DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(common.DTYPES)}, got {self.dtype!r}")
+
+
+FULL = Settings()
+QUICK = Settings(ckpt=None, prompt=16, new_tokens=8, reps=1, windows=2, length=64)
+
+
+def _model(settings: Settings):
+    if settings.ckpt is None:
+        from selfattn.model import GPTConfig
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(vocab_size=256, block_size=512, n_layer=4, n_head=4, n_embd=128, n_kv_head=2,
+                              pos="rope", norm="rmsnorm", mlp_kind="swiglu", tie_embeddings=False))
+        return model.eval(), lambda text: list(text.encode()), "random Llama-shaped (4 layers, C=128)"
+    from selfattn.loading import load
+    loaded = load(settings.ckpt)
+    return loaded.model.eval(), loaded.require_tokenizer().encode, str(loaded.source)
+
+
+def run(settings: Settings, device: torch.device, *, log=print) -> dict:
+    settings.check()
+    info = common.machine(device)
+    log(common.describe(info))
+    model, encode, name = _model(settings)
+    model = model.to(device=device, dtype=common.DTYPES[settings.dtype])
+    twin = int8_twin(model)
+    log(f"model: {name}, {model.num_params() / 1e6:.1f}M parameters, {settings.dtype} and weight-only int8")
+    acc = accuracy(model, twin, encode, windows=settings.windows, length=settings.length)
+    idx = torch.randint(model.config.vocab_size, (1, settings.prompt), generator=torch.Generator().manual_seed(0))
+    speed = decode_speed(model, twin, idx.to(device), settings.new_tokens, device, settings.reps)
+    result = {"suite": "int8", "machine": info, "settings": asdict(settings), "model": name,
+              "accuracy": acc, "speed": speed}
+    result["targets"] = [common.target("int8 decodes faster than the float model (batch 1)",
+                                       speed["int8_speedup"] > 1.0, f"{speed['int8_speedup']:.2f}x")]
+    return result
+
+
+def report(result: dict) -> str:
+    a, s = result["accuracy"], result["speed"]
+    body = [["float", f"{a['perplexity_float']:.3f}", "", f"{s['float_s_per_token'] * 1e3:.1f}",
+             f"{s['weight_bytes_float'] / 1e6:.0f}"],
+            ["int8", f"{a['perplexity_int8']:.3f}", f"{a['top1_agreement']:.3f}", f"{s['int8_s_per_token'] * 1e3:.1f}",
+             f"{s['weight_bytes_int8'] / 1e6:.0f}"]]
+    return "\n".join([
+        "", f"int8: {result['model']}, {result['settings']['dtype']}; perplexity on {a['windows']} x {a['length']} "
+            f"tokens of the built-in corpus, batch-1 decode ms/token (prefill excluded)",
+        common.table(["weights", "perplexity", "top-1 = float", "ms/token", "weight MB"], body),
+        "", common.format_targets(result["targets"])])
+
+
+def plot(result: dict, path: Path) -> Path:
+    s = result["speed"]
+    fig = _plot.figure(figsize=(6, 4))
+    ax = fig.subplots()
+    ax.bar(["float", "int8"], [s["float_s_per_token"] * 1e3, s["int8_s_per_token"] * 1e3])
+    ax.set(ylabel="ms per decoded token", title=f"selfattn bench int8 ({result['machine']['device']})")
+    fig.tight_layout()
+    return _plot.save(fig, path, dpi=110)
