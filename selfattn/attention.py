@@ -23,7 +23,8 @@ from selfattn import _validate, backends
 from selfattn.kv_cache import KVCache, RollingKVCache
 from selfattn.masks import Mask
 from selfattn.norms import Norm
-from selfattn.rope import apply_rope, check_scaling, rope_angles
+from selfattn.rope import apply_rope, check_scaling
+from selfattn.rope import rope_angles as rope_angles_of
 from selfattn.scores import Scores, alibi_slopes, check_score_mod
 
 if TYPE_CHECKING:  # the core never imports the distributed layer; a shard is handed in
@@ -164,7 +165,7 @@ class SelfAttention(nn.Module):
     def forward(self, x: Tensor, *, key_padding_mask: Tensor | None = None, doc_ids: Tensor | None = None,
                 prefix_len: int | Tensor | None = None, positions: Tensor | None = None,
                 cache: KVCache | RollingKVCache | None = None, return_weights: bool = False,
-                shard: SequenceShard | None = None) -> Tensor | tuple[Tensor, Tensor]:
+                shard: SequenceShard | None = None, rope_angles: dict | None = None) -> Tensor | tuple[Tensor, Tensor]:
         """``x`` (B, T, C) -> (B, T, C); with ``return_weights`` also the weights (B, H, T, S).
 
         key_padding_mask, doc_ids: ``(B, S)`` over every key position (cached ones included).
@@ -175,6 +176,9 @@ class SelfAttention(nn.Module):
         shard: x is this rank's part of sequences split across processes (a
             :class:`~selfattn.distributed.SequenceShard`): RoPE takes the tokens' global
             positions and attention is ring attention over the whole sequence.
+        rope_angles: a dict shared by the layers of one forward over the same ``positions``: each
+            RoPE rule's cos and sin are computed by the first layer that needs them and reused
+            by the others (a decode step would otherwise compute them once per layer).
         """
         _validate.embeddings("SelfAttention", x, self.n_embd)
         B, T, _ = x.shape
@@ -195,8 +199,15 @@ class SelfAttention(nn.Module):
             elif positions is None:
                 past = cache.length if cache is not None else 0
                 positions = torch.arange(past, past + T, device=x.device)  # (T,)
-            cos, sin = rope_angles(positions, self.rope_dims, self.rope_base,
-                                   scaling=self.rope_scaling)  # (1 or B, 1, T, R/2) each
+            work = torch.promote_types(q.dtype, torch.float32)  # what apply_rope rotates in
+            rule = (self.rope_dims, self.rope_base, repr(self.rope_scaling), work)
+            if rope_angles is not None and rule in rope_angles:
+                cos, sin = rope_angles[rule]
+            else:
+                cos, sin = (t.to(work) for t in rope_angles_of(positions, self.rope_dims, self.rope_base,
+                                                               scaling=self.rope_scaling))  # (1 or B, 1, T, R/2)
+                if rope_angles is not None:
+                    rope_angles[rule] = cos, sin
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
             k, v = cache.append(k, v)  # (B, Hkv, S, D): the cached keys the queries need, and the T new ones

@@ -287,9 +287,9 @@ class Block(nn.Module):
 
     def forward(self, x: Tensor, *, key_padding_mask: Tensor | None = None, positions: Tensor | None = None,
                 cache: KVCache | None = None, prefix_len: int | Tensor | None = None,
-                shard: SequenceShard | None = None) -> Tensor:
+                shard: SequenceShard | None = None, rope_angles: dict | None = None) -> Tensor:
         x = x + self.post_ln_1(self.attn(self.ln_1(x), key_padding_mask=key_padding_mask, positions=positions,
-                                         cache=cache, prefix_len=prefix_len, shard=shard))
+                                         cache=cache, prefix_len=prefix_len, shard=shard, rope_angles=rope_angles))
         if self.mlp is not None:
             x = x + self.post_ln_2(self.mlp(self.ln_2(x)))
         return x
@@ -450,10 +450,12 @@ class GPT(nn.Module):
                 x = self.ln_emb(x)
             x = self.drop(x)
         rope_positions = positions if self.wpe is None else None
+        angles = {}  # each RoPE rule's cos and sin at these positions, computed once for all layers
         stop = len(self.blocks) if stop is None else stop
         for i in range(start, stop):
             x = self.blocks[i](x, key_padding_mask=mask, positions=rope_positions,
-                               cache=None if cache is None else cache[i], prefix_len=prefix_len, shard=shard)
+                               cache=None if cache is None else cache[i], prefix_len=prefix_len, shard=shard,
+                               rope_angles=angles)
         return self.ln_f(x) if stop == len(self.blocks) else x
 
     def _logits(self, h: Tensor) -> Tensor:
