@@ -10,6 +10,11 @@ GGUF file (see :mod:`selfattn.loading`). Nothing is downloaded.
 writes it as the user's message, followed by what starts the assistant's answer, and the answer
 is printed. Either way generation stops at the model's end-of-text token (eos) when it has one.
 
+``--speculative`` decodes speculatively (:mod:`selfattn.speculative`): the same text (greedy) or
+the same distribution of texts (sampling), in fewer forwards when the drafts are right. ``lookup``
+drafts by prompt lookup, ``self:N`` with the model's first N layers, ``draft:PATH`` with a smaller
+model of the same vocabulary (any ``--ckpt`` kind of path).
+
 Tokens are turned into bytes one at a time and decoded incrementally, so a character whose
 UTF-8 bytes span several tokens is printed whole once its last byte arrives. Past the
 model's ``block_size`` the context slides: it is cut to its last half and read again.
@@ -24,6 +29,7 @@ import torch
 from selfattn import _validate
 from selfattn.loading import load
 from selfattn.sampling import check_sampling, stream, text_pieces
+from selfattn.speculative import Speculative
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -40,6 +46,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="nucleus: sample among the fewest tokens holding this probability")
     p.add_argument("--seed", type=int, default=None, metavar="S", help="seed of the sampler: same seed, same text")
     p.add_argument("--device", default="auto", help="'auto' (the accelerator if any, else CPU) or a torch device")
+    p.add_argument("--speculative", default=None, metavar="HOW",
+                   help="speculative decoding, the same text in fewer forwards: lookup (prompt lookup), self:N "
+                        "(the model's first N layers draft) or draft:PATH (a smaller model, the same vocabulary)")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -63,6 +72,7 @@ def main(args: argparse.Namespace) -> int:
     if ids == [None]:
         raise ValueError(f"the tokenizer of {loaded.source} has no token for a newline and no <|endoftext|>, so an "
                          f"empty prompt has nothing to start from; pass --prompt TEXT")
+    spec = speculation(args.speculative, model, device, len(ids) + args.max_new_tokens - 1)
     generator = torch.Generator(device)
     if args.seed is None:
         generator.seed()
@@ -70,12 +80,32 @@ def main(args: argparse.Namespace) -> int:
         generator.manual_seed(args.seed)
     sys.stdout.write(args.prompt)
     tokens = stream(model, ids, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                    top_p=args.top_p, generator=generator)
+                    top_p=args.top_p, generator=generator, speculative=spec)
     for piece in text_pieces(tokenizer, until(tokens, loaded.eos)):
         sys.stdout.write(piece)
         sys.stdout.flush()
     sys.stdout.write("\n")
     return 0
+
+
+def speculation(how: str | None, model, device, positions: int) -> Speculative | None:
+    """``--speculative``'s drafter, checked against ``model`` for ``positions`` positions (fewer
+    past ``block_size``, where the context slides), or None."""
+    if how is None:
+        return None
+    if how != "lookup" and not how.startswith(("self:", "draft:")):
+        raise ValueError(f"--speculative must be lookup, self:N or draft:PATH, got {how!r}")
+    try:
+        method = how
+        if how.startswith("draft:"):
+            if not how[len("draft:"):]:
+                raise ValueError("draft:PATH needs a path to the draft model")
+            method = load(how[len("draft:"):]).model.to(device).eval().decode_layout()
+        spec = Speculative(method)
+        spec.check(model, positions if model.max_positions is None else min(positions, model.max_positions))
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"--speculative {how}: {e}") from None
+    return spec
 
 
 def until(tokens, stops: tuple[int, ...]):
