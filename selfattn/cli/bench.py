@@ -15,20 +15,8 @@ import os
 import sys
 
 from selfattn import _files, _validate
-from selfattn.bench import (
-    GPU_ONLY,
-    NOT_IN_ALL,
-    SUITES,
-    attention,
-    calibrate,
-    common,
-    context_parallel,
-    decode,
-    masks,
-    quantized,
-    speculative,
-    train,
-)
+from selfattn import bench as suites
+from selfattn.bench import common
 
 HELP = {"attention": "attention layers: our backends vs the peers over a T sweep",
         "decode": "prefill and decode speed, memory roofline and peak memory: ours vs transformers' generate",
@@ -63,14 +51,14 @@ def main(args: argparse.Namespace) -> int:
     device = _validate.device(args.device)
     if getattr(args, "show", False):
         common.pin_threads(args.threads)  # the thread count is part of the machine's fingerprint
-        print(calibrate.show(device))
+        print(suites.calibrate.show(device))
         return 0
     out = _files.writable_folder(args.out)  # checked before the work, so no result is lost at the end
     common.pin_threads(args.threads)
-    names = [args.suite] if args.suite != "all" else [n for n in SUITES if n not in NOT_IN_ALL
-                                                      and (n not in GPU_ONLY or device.type == "cuda")]
+    names = [args.suite] if args.suite != "all" else [n for n in suites.SUITES if n not in suites.NOT_IN_ALL
+                                                      and (n not in suites.GPU_ONLY or device.type == "cuda")]
     for name in names:
-        suite = SUITES[name]
+        suite = suites.SUITES[name]
         settings = _settings(name, args)
         print(f"== selfattn bench {name}" + (" (quick)" if args.quick else ""), flush=True)
         try:
@@ -91,7 +79,7 @@ def main(args: argparse.Namespace) -> int:
 
 def _settings(name: str, args: argparse.Namespace):
     """The suite's FULL or QUICK settings with the fields its flags set (flags left unset change nothing)."""
-    suite = SUITES[name]
+    suite = suites.SUITES[name]
     base = suite.QUICK if args.quick else suite.FULL
     fields = {f.name for f in dataclasses.fields(base)}
     given = {key: value for key, value in vars(args).items() if key in fields and value is not None}
@@ -104,7 +92,7 @@ def _settings(name: str, args: argparse.Namespace):
 
 
 def _attention_flags(p: argparse.ArgumentParser) -> None:
-    full, quick = attention.FULL, attention.QUICK
+    full, quick = suites.attention.FULL, suites.attention.QUICK
     p.add_argument("--dtypes", "--dtype", nargs="+", choices=tuple(common.DTYPES), default=None,
                    help="dtypes (default: float32, and bfloat16 where the hardware supports it)")
     p.add_argument("--seq-lens", type=int, nargs="+", default=None,
@@ -114,7 +102,7 @@ def _attention_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--n-embd", type=int, default=None, help=f"width C (default {full.n_embd}, --quick {quick.n_embd})")
     p.add_argument("--n-head", type=int, default=None,
                    help=f"heads H, head dim C / H (default {full.n_head}, --quick {quick.n_head})")
-    p.add_argument("--impls", nargs="+", choices=attention.IMPLS, default=None,
+    p.add_argument("--impls", nargs="+", choices=suites.attention.IMPLS, default=None,
                    help="implementations to run (default: all)")
     p.add_argument("--max-mem-gib", type=float, default=None,
                    help="skip configurations estimated to need more (default: 90%% of free accelerator memory, "
@@ -126,7 +114,7 @@ def _attention_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _decode_flags(p: argparse.ArgumentParser) -> None:
-    full, quick = decode.FULL, decode.QUICK
+    full, quick = suites.decode.FULL, suites.decode.QUICK
     p.add_argument("--new-tokens", type=int, default=None,
                    help=f"tokens to generate after each prompt (default {full.new_tokens}, --quick {quick.new_tokens})")
     p.add_argument("--prompts", type=int, nargs="+", default=None,
@@ -152,11 +140,11 @@ def _decode_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _speculative_flags(p: argparse.ArgumentParser) -> None:
-    full = speculative.FULL
+    full = suites.speculative.FULL
     p.add_argument("--ckpt", default=None, metavar="PATH",
                    help="the model (with a tokenizer and a chat template); default: SmolLM2-135M-Instruct's GGUF "
                         "file in .cache/models (`make models`); --quick: a small random model")
-    p.add_argument("--workloads", nargs="+", choices=tuple(speculative.WORKLOADS), default=None,
+    p.add_argument("--workloads", nargs="+", choices=tuple(suites.speculative.WORKLOADS), default=None,
                    help="which prompts (default: all)")
     p.add_argument("--new-tokens", type=int, default=None,
                    help=f"tokens to generate at most, each row stopping at the end of its answer (default "
@@ -167,7 +155,7 @@ def _speculative_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _int8_flags(p: argparse.ArgumentParser) -> None:
-    full = quantized.FULL
+    full = suites.quantized.FULL
     p.add_argument("--ckpt", default=None, metavar="PATH",
                    help="the model (with a tokenizer); default: SmolLM2-135M-Instruct's GGUF file in .cache/models "
                         "(`make models`); --quick: a small random model")
@@ -176,7 +164,7 @@ def _int8_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _train_flags(p: argparse.ArgumentParser) -> None:
-    full, quick = train.FULL, train.QUICK
+    full, quick = suites.train.FULL, suites.train.QUICK
     p.add_argument("--batch-size", type=int, default=None,
                    help=f"rows per training step (default {full.batch_size}, --quick {quick.batch_size})")
     p.add_argument("--seq-len", type=int, default=None,
@@ -185,24 +173,26 @@ def _train_flags(p: argparse.ArgumentParser) -> None:
 
 def _masks_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cells", nargs="+", type=_cell, default=None, metavar="MASK:T",
-                   help=f"cells to run, e.g. docs-16:16384 (masks: {', '.join(masks.MASKS)}; default: all at "
+                   help=f"cells to run, e.g. docs-16:16384 (masks: {', '.join(suites.masks.MASKS)}; default: all at "
                         f"T = 4096 and 16384)")
-    p.add_argument("--impls", nargs="+", choices=masks.IMPLS, default=None, help="implementations (default: all)")
+    p.add_argument("--impls", nargs="+", choices=suites.masks.IMPLS, default=None,
+                   help="implementations (default: all)")
     p.add_argument("--dtypes", "--dtype", nargs="+", choices=tuple(common.DTYPES), default=None,
                    help="dtypes (default: float32, and bfloat16 where the hardware supports it)")
     p.add_argument("--max-call-s", type=float, default=None,
-                   help=f"skip an implementation whose first call took longer (default {masks.FULL.max_call_s:g})")
+                   help="skip an implementation whose first call took longer "
+                        f"(default {suites.masks.FULL.max_call_s:g})")
 
 
 def _cell(text: str) -> tuple[str, int]:
     name, _, T = text.partition(":")
-    if name not in masks.MASKS or not T.isdigit():
-        raise argparse.ArgumentTypeError(f"expected MASK:T with MASK in {masks.MASKS}, got {text!r}")
+    if name not in suites.masks.MASKS or not T.isdigit():
+        raise argparse.ArgumentTypeError(f"expected MASK:T with MASK in {suites.masks.MASKS}, got {text!r}")
     return name, int(T)
 
 
 def _context_parallel_flags(p: argparse.ArgumentParser) -> None:
-    full, quick = context_parallel.FULL, context_parallel.QUICK
+    full, quick = suites.context_parallel.FULL, suites.context_parallel.QUICK
     p.add_argument("--nproc", dest="nprocs", type=int, nargs="+", default=None,
                    help=f"processes in the ring, one run each (default {full.nprocs}, --quick {quick.nprocs})")
     p.add_argument("--seq-len", dest="T", type=int, default=None,
@@ -219,8 +209,8 @@ def _triton_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _calibrate_flags(p: argparse.ArgumentParser) -> None:
-    full, quick = calibrate.FULL, calibrate.QUICK
-    p.add_argument("--masks", nargs="+", choices=masks.MASKS, default=None,
+    full, quick = suites.calibrate.FULL, suites.calibrate.QUICK
+    p.add_argument("--masks", nargs="+", choices=suites.masks.MASKS, default=None,
                    help="masks and score rules to time (default: all of bench masks)")
     p.add_argument("--lengths", type=int, nargs="+", default=None,
                    help=f"sequence lengths T = S (default {full.lengths}, --quick {quick.lengths})")
