@@ -26,7 +26,8 @@ class Int8Linear(nn.Module):
         super().__init__()
         w = linear.weight.detach()
         scale = w.float().abs().amax(dim=1).clamp(min=1e-12) / 127  # (out,)
-        self.register_buffer("q", torch.round(w.float() / scale[:, None]).clamp(-127, 127).to(torch.int8))
+        q = torch.round(w.float() / scale[:, None]).clamp(-127, 127).to(torch.int8)
+        self.register_buffer("q", q.contiguous())  # (out, in) rows, as the kernel reads them, whatever w's strides
         self.register_buffer("scale", scale)  # float32: cast to the activations' dtype per call
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
         self.in_features, self.out_features = linear.in_features, linear.out_features

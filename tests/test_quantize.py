@@ -25,6 +25,17 @@ def test_an_int8_linear_computes_its_dequantised_weight_within_the_rounding_boun
     assert torch.allclose(q(x).float(), expected, atol=tol * expected.abs().max().item(), rtol=0)
 
 
+def test_a_weight_stored_in_decode_layout_quantises_to_the_same_rows():  # GPT.decode_layout's (in, out) order
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 48)
+    transposed = nn.Linear(64, 48)
+    transposed.load_state_dict(linear.state_dict())
+    transposed.weight.data = transposed.weight.data.t().contiguous().t()
+    x = torch.randn(3, 64)
+    assert torch.equal(Int8Linear(transposed).q, Int8Linear(linear).q)
+    assert torch.equal(Int8Linear(transposed)(x), Int8Linear(linear)(x))
+
+
 def test_a_per_tensor_scale_would_err_more():  # control: per-channel scales are what keep the error small
     torch.manual_seed(0)
     linear = nn.Linear(64, 48)

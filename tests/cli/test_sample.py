@@ -8,6 +8,8 @@ import torch
 
 from selfattn import loading, sampling
 from selfattn.cli import main
+from selfattn.cli import sample as sample_cli
+from selfattn.quantize import quantize_int8
 from selfattn.tokenizers import ByteTokenizer
 
 
@@ -123,8 +125,8 @@ def test_sample_from_a_local_gpt2_folder_matches_transformers(tmp_path, monkeypa
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     import transformers
 
-    from selfattn.training.data import read_corpus
     from selfattn.tokenizers import BPETokenizer
+    from selfattn.training.data import read_corpus
 
     text, _ = read_corpus(None)
     bpe = BPETokenizer.train(text[:20_000], vocab_size=300)
@@ -145,3 +147,21 @@ def test_sample_from_a_local_gpt2_folder_matches_transformers(tmp_path, monkeypa
     monkeypatch.setattr(sys, "stdout", _Terminal())
     with pytest.raises(ValueError, match="has no tokenizer.json"):
         loading.load(tmp_path)
+
+
+def test_quantize_int8_samples_with_the_int8_model(run, monkeypatch):
+    quantised = []
+    monkeypatch.setattr(sample_cli, "quantize_int8", lambda model: quantised.append(quantize_int8(model)) or model)
+    text = _sample(monkeypatch, "--ckpt", str(run), "--prompt", "The ", "--max-new-tokens", "30",
+                   "--temperature", "0", "--quantize", "int8").text()
+    [model] = quantised
+    assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())  # every projection is int8
+    tokenizer = loading.load(run).tokenizer
+    tokens = list(sampling.stream(model, tokenizer.encode("The "), 30, temperature=0))
+    assert text == "The " + tokenizer.decode(tokens) + "\n"  # what the int8 model writes
+
+
+def test_quantize_refuses_an_unknown_kind(run, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["sample", "--ckpt", str(run), "--quantize", "int4"])
+    assert e.value.code == 2 and "--quantize: invalid choice: 'int4'" in capsys.readouterr().err
