@@ -237,6 +237,19 @@ def check_close(what: str, actual: Tensor, expected: Tensor, dtype: torch.dtype)
     return err
 
 
+def check_rounding(what: str, ours: Tensor, theirs: Tensor, exact: Tensor) -> tuple[float, float]:
+    """Low precision: two roundings of one model differ by both their errors, so each is measured
+    against ``exact`` (the same model in float32) and ours may err at most twice as much as theirs,
+    plus 2% of the logits' range (the rule of the low-precision tests). Returns both relative errors."""
+    exact = exact.double()
+    scale = exact.abs().max().clamp_min(1e-30)
+    err, ref = (((x.double() - exact).abs().max() / scale).item() for x in (ours, theirs))
+    if not err <= 2 * ref + 0.02:
+        raise CorrectnessError(f"{what}: relative error to float32 {err:.3g} > 2 x the peer's {ref:.3g} + 0.02; "
+                               f"refusing to time an implementation that computes something else")
+    return err, ref
+
+
 def write_json(out: Path, name: str, result: dict) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{name}.json"

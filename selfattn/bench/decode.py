@@ -48,8 +48,9 @@ full-length call over what was resident before it (the freed heap trimmed, the h
 reset), plus the weights, which were resident already: ``peak_bytes`` = weight bytes + growth,
 against ``weights + cache`` (the cache of prompt + N - 1 positions in the model's dtype).
 
-Before timing, per model and dtype: our logits equal transformers' on the same tokens (within
-the dtype's tolerance), and our cached, token-by-token logits equal our full-sequence logits
+Before timing, per model and dtype: our logits equal transformers' on the same tokens (float32
+within its tolerance; bfloat16, each against the float32 model: ours at most twice
+transformers' error plus 2% of the logits' range), and our cached, token-by-token logits equal our full-sequence logits
 (teacher forcing). Whether ours and transformers' greedy tokens agree is recorded, not required
 (a near-tie between two logits may break either way under other rounding).
 """
@@ -234,7 +235,7 @@ def run(settings: Settings, device: torch.device, *, log=print) -> dict:
             from selfattn.hf import to_hf
             hf = _no_early_stop(to_hf(ours).eval())
         checks.append(_check(ours, hf, torch.randint(settings.vocab_size, (1, settings.prompts[0]), generator=g)
-                             .to(device), settings, GPT2_MODEL, dtype))
+                             .to(device), settings, GPT2_MODEL, dtype, ours32))
         for B in settings.batches:
             for P in settings.prompts:
                 idx = torch.randint(settings.vocab_size, (B, P), generator=g).to(device)  # (B, P)
@@ -299,7 +300,7 @@ def _ckpt_rows(settings: Settings, device, peak, g, log) -> tuple[dict, list[dic
         ours = _in_dtype(base, dtype)
         hf, why = hf_twin(ours)
         checks.append(_check(ours, hf, torch.randint(V, (1, min(P, 32)), generator=g).to(device), settings, name,
-                             dtype))
+                             dtype, base))
         for B in settings.batches:
             idx = torch.randint(V, (B, P), generator=g).to(device)  # (B, P)
             impls = {"kv-cache": ours} | (dict.fromkeys(HF_IMPLS, hf) if hf is not None else {})
@@ -310,16 +311,21 @@ def _ckpt_rows(settings: Settings, device, peak, g, log) -> tuple[dict, list[dic
 
 
 @torch.inference_mode()
-def _check(ours: GPT, hf, idx: torch.Tensor, settings: Settings, model: str, dtype: str) -> dict:
-    """Logits ours vs transformers (full sequence), and cached vs full (teacher forcing)."""
+def _check(ours: GPT, hf, idx: torch.Tensor, settings: Settings, model: str, dtype: str, reference: GPT) -> dict:
+    """Logits ours vs transformers (full sequence; in low precision each against ``reference``, the
+    float32 model), and cached vs full (teacher forcing)."""
     P, k, V = idx.shape[1], settings.check_tokens, ours.config.vocab_size
     seq = torch.cat([idx, torch.randint(V, (1, k), device=idx.device)], dim=1)  # (1, P + k)
     full = ours(seq)[0]  # (1, P + k, V)
     tol = common.DTYPES[dtype]
     out = {"model": model, "dtype": dtype, "prompt": P}
     if hf is not None:
-        out["vs_hf_err"] = common.check_close(f"decode: our logits vs transformers' ({model}, {dtype}, prompt {P})",
-                                              full, hf(seq).logits, tol)
+        what = f"decode: our logits vs transformers' ({model}, {dtype}, prompt {P})"
+        if tol == torch.float32:
+            out["vs_hf_err"] = common.check_close(what, full, hf(seq).logits, tol)
+        else:  # each rounding against the float32 model, not one against the other
+            out["vs_fp32_err"], out["hf_vs_fp32_err"] = common.check_rounding(what, full, hf(seq).logits,
+                                                                              reference(seq)[0])
     cache = ours.new_cache(1, P + k)
     steps = [ours(seq[:, :P], cache=cache)[0][:, -1]]  # (1, V) after the prompt
     steps += [ours(seq[:, i:i + 1], cache=cache)[0][:, -1] for i in range(P, P + k - 1)]
@@ -515,6 +521,8 @@ def report(result: dict) -> str:
                                 "" if r["greedy_agrees"] else "greedy tokens differ from ours"])
     checks = "; ".join(f"{c['model']} {c['dtype']}: cached vs full {c['cache_err']:.1e}"
                        + (f", ours vs transformers {c['vs_hf_err']:.1e}" if "vs_hf_err" in c else "")
+                       + (f", to float32 ours {c['vs_fp32_err']:.1e} transformers {c['hf_vs_fp32_err']:.1e}"
+                          if "vs_fp32_err" in c else "")
                        for c in result["checks"])
     return "\n".join([
         "", f"decode: greedy; prefill ms, decode tok/s (all rows of the batch, after the first token), tok/s with "

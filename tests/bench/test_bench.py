@@ -240,7 +240,7 @@ def test_decode_quick_run_writes_json_and_plot(tmp_path, capsys):
     assert ours[("float32", 2)]["kv_bytes_per_step"] == 2 * ours[("float32", 1)]["kv_bytes_per_step"]
     checks = {c["dtype"]: c for c in result["checks"]}
     assert checks["float32"]["vs_hf_err"] < 1e-4 and checks["float32"]["cache_err"] < 1e-4
-    assert checks["bfloat16"]["vs_hf_err"] < 5e-2
+    assert 0 < checks["bfloat16"]["vs_fp32_err"] <= 2 * checks["bfloat16"]["hf_vs_fp32_err"] + 0.02
     out = capsys.readouterr().out
     assert "x roof" in out and "streaming bandwidth after the rows, over 16 MiB" in out
     assert "GPT-2-small shape: batch-1 decode" in out
@@ -252,7 +252,19 @@ def test_decode_check_fails_loudly_when_the_weights_differ():
     with torch.no_grad():
         hf.transformer.h[0].attn.c_attn.weight[0, 0] += 1.0
     with pytest.raises(common.CorrectnessError, match="our logits vs transformers'"):
-        decode._check(ours, hf, torch.randint(512, (1, 8)), decode.QUICK, "gpt2", "float32")
+        decode._check(ours, hf, torch.randint(512, (1, 8)), decode.QUICK, "gpt2", "float32", ours)
+
+
+def test_a_low_precision_check_measures_both_roundings_against_float32():
+    torch.manual_seed(0)
+    exact = torch.randn(4, 64) * 5
+    theirs = exact.bfloat16()
+    ours = (exact + 0.01 * torch.randn(4, 64)).bfloat16()  # another rounding: ours and theirs differ by both
+    assert common.rel_error(ours, theirs) > 0
+    err, ref = common.check_rounding("ok", ours, theirs, exact)
+    assert 0 < err <= 2 * ref + 0.02
+    with pytest.raises(common.CorrectnessError, match="wrong: relative error to float32"):
+        common.check_rounding("wrong", exact + 0.2 * exact.abs().max(), theirs, exact)  # control: 20% off
 
 
 def _tiny_llama_folder(path):
