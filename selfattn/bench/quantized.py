@@ -3,7 +3,9 @@ and buys in decode speed, on a real model (default: SmolLM2-135M-Instruct's GGUF
 
 :func:`accuracy`: on windows of the built-in corpus (Python's ``pydoc_data`` topics, the text
 ``selfattn train`` uses), tokenized by the model's own tokenizer, the float model's and the int8
-model's perplexity, and how often their next-token choices (argmax) agree.
+model's perplexity, and how often their next-token choices (argmax) agree, the windows read
+through the cache a few tokens at a time as decoding reads them (the int8 products of a few rows
+take another kernel than a prompt's).
 :func:`decode_speed`: batch-1 greedy decode time per token of both, interleaved in one run, and
 the bytes of their weights.
 """
@@ -21,7 +23,7 @@ from selfattn import _plot, _validate
 from selfattn.bench import common
 from selfattn.bench.decode import DEFAULT_CKPT
 from selfattn.model import GPT
-from selfattn.quantize import quantize_int8
+from selfattn.quantize import KERNEL_ROWS, quantize_int8
 from selfattn.training.data import read_corpus
 
 
@@ -42,11 +44,21 @@ def accuracy(model: GPT, twin: GPT, encode, *, windows: int = 8, length: int = 2
     out = {"windows": windows, "length": length}
     picks = {}
     for name, m in (("float", model), ("int8", twin)):
-        logits = m(rows[:, :-1])[0].float()  # (W, L, V)
+        logits = _as_decoded(m, rows[:, :-1]).float()  # (W, L, V)
         out[f"perplexity_{name}"] = math.exp(F.cross_entropy(logits.flatten(0, 1), rows[:, 1:].flatten()).item())
         picks[name] = logits.argmax(-1)  # (W, L)
     out["top1_agreement"] = (picks["float"] == picks["int8"]).float().mean().item()
     return out
+
+
+def _as_decoded(model: GPT, idx: torch.Tensor) -> torch.Tensor:
+    """The logits of ``idx`` (W, L) read through the cache a few tokens at a time, so that every
+    product has the few rows of decoding (:data:`~selfattn.quantize.KERNEL_ROWS` at most): the
+    int8 model is measured on the path it decodes on, not on its prompt path."""
+    W, L = idx.shape
+    step = max(1, KERNEL_ROWS // W)
+    cache = model.new_cache(W, L)
+    return torch.cat([model(idx[:, i:i + step], cache=cache)[0] for i in range(0, L, step)], dim=1)  # (W, L, V)
 
 
 def weight_bytes(model: GPT) -> int:
