@@ -1,5 +1,3 @@
-import sys
+from selfattn.cli import run
 
-from selfattn.cli import main
-
-sys.exit(main())
+run()

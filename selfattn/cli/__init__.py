@@ -3,13 +3,16 @@
 Each sub-command is a module of this package, ``selfattn.cli.<command>``, exposing
 ``add_arguments(parser)`` and ``main(args) -> int``: it parses, calls the library, prints.
 Errors a user can fix (bad flags, bad values, missing files) are one line on stderr and exit
-status 2; ``SELFATTN_DEBUG=1`` shows the traceback instead.
+status 2; ``SELFATTN_DEBUG=1`` shows the traceback instead. Ctrl-C is one line too, and then the
+process dies of SIGINT, as an interrupted program should (the shell reads status 130 and stops a
+loop that ran it).
 """
 from __future__ import annotations
 
 import argparse
 import importlib
 import os
+import signal
 import sys
 
 # name -> (module, one-line help); a module is imported only when its command runs.
@@ -46,9 +49,11 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    name = " ".join(["selfattn", *[a for a in argv if not a.startswith("-")][:1]])  # "selfattn train"
+    name = _name(argv)
     try:
         args, unknown = build_parser(argv).parse_known_args(argv)  # imports the command, and torch: seconds
+        if signal.getsignal(signal.SIGINT) is _leave_while_starting:
+            signal.signal(signal.SIGINT, signal.default_int_handler)  # started: the command cleans up on Ctrl-C
         if unknown:  # the command's usage line, not the top-level one
             args._parser.error(f"unrecognized arguments: {' '.join(unknown)}")
         return int(args._main(args) or 0)
@@ -60,6 +65,42 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"{name}: error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:  # also while starting up: the package imports torch only here
+    except KeyboardInterrupt:  # also while starting up, when main() is called in a process of its own
         print(f"{name}: interrupted", file=sys.stderr)
-        return 130
+        return INTERRUPTED
+
+
+INTERRUPTED = 128 + signal.SIGINT  # main()'s status after Ctrl-C: 130, what a shell reports for it
+
+
+def run() -> None:
+    """The ``selfattn`` script and ``python -m selfattn``: exit with ``main()``'s status.
+
+    Ctrl-C while starting up (parsing, importing the command and torch: seconds, nothing written
+    yet) prints the one line and leaves at once: a KeyboardInterrupt raised inside a library's
+    import code is not always an exception that reaches ``main``; numpy retries its import and
+    fails with a traceback, another import swallows it and the command runs on. After start-up,
+    Ctrl-C is a KeyboardInterrupt the command cleans up after. Either way the process then dies
+    of SIGINT, as an interrupted program should (the shell reads 130 and stops a loop that ran it).
+    """
+    signal.signal(signal.SIGINT, _leave_while_starting)
+    status = main()
+    if status == INTERRUPTED:
+        _die_of_sigint()
+    sys.exit(status)
+
+
+def _name(argv: list[str]) -> str:
+    return " ".join(["selfattn", *[a for a in argv if not a.startswith("-")][:1]])  # "selfattn train"
+
+
+def _leave_while_starting(signum, frame) -> None:
+    print(f"{_name(sys.argv[1:])}: interrupted", file=sys.stderr)
+    _die_of_sigint()
+
+
+def _die_of_sigint() -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGINT)

@@ -63,14 +63,14 @@ def test_bench_checks_its_output_folder_before_the_work(tmp_path):
 
 
 # Ctrl-C at the moment torch is being imported, the longest part of starting up: an import hook
-# raises KeyboardInterrupt there, as the terminal's SIGINT would.
+# sends the process a real SIGINT there, as the terminal would.
 CTRL_C_WHILE_TORCH_LOADS = """
-import sys
+import os, signal, sys
 
 class CtrlC:
     def find_spec(self, name, path=None, target=None):
         if name == "torch":
-            raise KeyboardInterrupt
+            os.kill(os.getpid(), signal.SIGINT)
 
 sys.meta_path.insert(0, CtrlC())
 {start}
@@ -84,11 +84,22 @@ def _python(code: str, *args: str) -> subprocess.CompletedProcess:
 
 @pytest.mark.parametrize("command", [["train", "--max-steps", "1"], ["check"], ["sample", "--ckpt", "x"]])
 def test_ctrl_c_while_starting_up_is_one_line_not_a_traceback(command, tmp_path):
-    start = "from selfattn.cli import main\nsys.exit(main(sys.argv[1:]))"  # what the `selfattn` script runs
+    start = "from selfattn.cli import run\nrun()"  # what the `selfattn` script runs
     done = _python(CTRL_C_WHILE_TORCH_LOADS.format(start=start), *command)
-    assert (done.returncode, done.stdout, done.stderr) == (130, "", f"selfattn {command[0]}: interrupted\n")
+    assert (done.returncode, done.stdout, done.stderr) == (-signal.SIGINT, "", f"selfattn {command[0]}: interrupted\n")
     done = _python(CTRL_C_WHILE_TORCH_LOADS.format(start="import selfattn.model"))  # control: the hook bites
     assert done.returncode == -signal.SIGINT and "Traceback" in done.stderr and "KeyboardInterrupt" in done.stderr
+
+
+def test_ctrl_c_while_a_command_runs_is_one_line_and_status_130(monkeypatch, capsys):
+    import selfattn.cli.demo
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(selfattn.cli.demo, "main", interrupted)
+    assert main(["demo"]) == 130
+    assert capsys.readouterr().err == "selfattn demo: interrupted\n"
 
 
 def test_the_package_loads_torch_only_when_a_public_name_is_used():
@@ -105,4 +116,4 @@ def test_a_real_ctrl_c_during_start_up_prints_no_traceback(tmp_path):
     time.sleep(0.5)  # importing torch takes longer than that
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=120)
-    assert proc.returncode == 130 and err == "selfattn train: interrupted\n", err
+    assert proc.returncode == -signal.SIGINT and err == "selfattn train: interrupted\n", (proc.returncode, err)
