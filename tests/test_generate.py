@@ -1,7 +1,10 @@
 """KV-cache decoding equals the full forward; generate streams, samples and stops correctly."""
 import pytest
 import torch
+import torch.nn.functional as F
+from torch import nn
 
+from selfattn.decode_layout import RowLinear
 from selfattn.kv_cache import KVCache, RollingKVCache
 from selfattn.sampling import next_token, top_k_filter, top_p_filter
 
@@ -249,3 +252,34 @@ def test_decode_layout_changes_strides_only():
     assert torch.equal(torch.stack(list(model.generate(idx, 10, temperature=0)), 1), tokens)
     model.decode_layout()  # idempotent
     assert model.blocks[0].mlp.c_fc.weight.stride() == (1, 128)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_layout_multiplies_one_row_by_mv_and_computes_the_same(dtype):
+    model = scrambled(small(**VARIANTS["llama-shaped"])).to(dtype)
+    idx = torch.randint(0, 61, (1, 6))
+    logits = model(idx)[0]
+    tokens = torch.stack(list(model.generate(idx, 10, temperature=0)), 1)
+    model.decode_layout()
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    assert linears and all(type(m) is RowLinear for m in linears)
+    w = model.blocks[0].attn.qkv.weight
+    assert w.t().is_contiguous() if dtype == torch.float32 else w.is_contiguous()  # half: (out, in) rows, for mv
+    tol = 1e-5 if dtype == torch.float32 else 3e-2 * logits.abs().max().item()
+    torch.testing.assert_close(model(idx)[0], logits, rtol=0, atol=tol)  # many rows: F.linear
+    step = model(idx[:, :1])[0]  # one row: torch.mv
+    torch.testing.assert_close(step, logits[:, :1], rtol=0, atol=tol)
+    if dtype == torch.float32:
+        assert torch.equal(torch.stack(list(model.generate(idx, 10, temperature=0)), 1), tokens)
+
+
+def test_a_row_linear_takes_mv_for_one_row_only(monkeypatch):
+    linear = RowLinear(8, 4)
+    calls = []
+    real = torch.mv
+    monkeypatch.setattr(torch, "mv", lambda w, v: calls.append(v.shape) or real(w, v))
+    x = torch.randn(1, 1, 8)
+    torch.testing.assert_close(linear(x), F.linear(x, linear.weight, linear.bias), rtol=0, atol=1e-6)
+    assert calls == [(8,)]
+    linear(torch.randn(2, 3, 8))
+    assert calls == [(8,)]  # control: more rows go through F.linear
