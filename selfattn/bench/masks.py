@@ -32,8 +32,8 @@ import torch.nn.functional as F
 
 from selfattn import _plot, _validate, backends
 from selfattn.attention import attention
-from selfattn.bench import common
 from selfattn.backends import tuning
+from selfattn.bench import common
 from selfattn.masks import Mask
 from selfattn.scores import Scores, alibi_slopes
 

@@ -25,8 +25,8 @@ from selfattn.export import EOT, export, unsupported  # noqa: E402
 from selfattn.loading import load  # noqa: E402
 from selfattn.model import GPTConfig  # noqa: E402
 from selfattn.sampling import stream  # noqa: E402
-from selfattn.training import checkpoint  # noqa: E402
 from selfattn.tokenizers import BPETokenizer, ByteTokenizer  # noqa: E402
+from selfattn.training import checkpoint  # noqa: E402
 
 from helpers.gpt2 import gpt2_folder  # noqa: E402
 from helpers.models import scrambled  # noqa: E402

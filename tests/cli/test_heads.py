@@ -8,8 +8,8 @@ import torch
 from selfattn.analysis.heads import attention_maps, head_scores
 from selfattn.cli import main as cli
 from selfattn.model import GPT, GPTConfig
-from selfattn.training import checkpoint
 from selfattn.tokenizers import BPETokenizer
+from selfattn.training import checkpoint
 
 from helpers.gpt2 import gpt2_folder
 

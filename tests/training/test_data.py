@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from selfattn.training import data
 from selfattn import tokenizers as toks
+from selfattn.training import data
 
 TEXTS = ["", "hello", "héllo wörld", "日本語のテキスト", "emoji 🎉🧪 and ZWJ 👩‍👩‍👧", "e\u0301 combining",
          "tabs\tand\r\nCRLF", "\x00 NUL is text too", "Ελληνικά, русский, עברית, العربية"]
