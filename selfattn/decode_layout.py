@@ -39,11 +39,12 @@ class RowLinear(nn.Linear):
 def decode_layout(model: nn.Module) -> nn.Module:
     """Store and multiply ``model``'s weights as batch-1 decoding reads them fastest (see the
     module docstring), in place; returns the model. Idempotent. Meant for inference: the
-    (in, out) order slows the token-embedding lookups of training."""
+    (in, out) order slows the token-embedding lookups of training. Call it again after casting
+    the model to another dtype (``.to()`` keeps each matrix's order)."""
     for module in model.modules():
         if type(module) is nn.Linear:
             module.__class__ = RowLinear  # the same parameters and state_dict, another forward
-        if isinstance(module, (nn.Linear, nn.Embedding)) and module.weight.is_contiguous() \
-                and module.weight.dtype not in HALF:
-            module.weight.data = module.weight.data.t().contiguous().t()  # (out, in) with strides (1, out)
+        if isinstance(module, (nn.Linear, nn.Embedding)):  # also a model cast since: .to() keeps strides
+            w = module.weight.data  # copied only when stored in the other order
+            module.weight.data = w.contiguous() if w.dtype in HALF else w.t().contiguous().t()  # strides (1, out)
     return model

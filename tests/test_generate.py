@@ -273,6 +273,17 @@ def test_decode_layout_multiplies_one_row_by_mv_and_computes_the_same(dtype):
         assert torch.equal(torch.stack(list(model.generate(idx, 10, temperature=0)), 1), tokens)
 
 
+def test_decode_layout_again_after_a_cast_stores_each_dtype_in_its_order():
+    model = scrambled(small()).decode_layout()  # float32: (in, out)
+    weights = lambda: [m.weight for m in model.modules() if isinstance(m, (nn.Linear, nn.Embedding))]
+    model.to(torch.bfloat16)
+    assert all(w.t().is_contiguous() and not w.is_contiguous() for w in weights())  # the cast kept (in, out)
+    model.decode_layout()
+    assert all(w.is_contiguous() for w in weights())  # half: (out, in) rows, which mv streams fast
+    model.float().decode_layout()
+    assert all(w.t().is_contiguous() for w in weights())
+
+
 def test_a_row_linear_takes_mv_for_one_row_only(monkeypatch):
     linear = RowLinear(8, 4)
     calls = []
