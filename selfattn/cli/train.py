@@ -34,6 +34,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    status = _train(args)
+    parallel.exit_after_group(status)  # under torchrun the process ends here
+    return status
+
+
+def _train(args: argparse.Namespace) -> int:
     out = Path(getattr(args, "out", None) or f"runs/{args.preset or 'default'}")
     with lock.hold(out):  # before the configs are read: another run may be saving (and pruning) there
         model_cfg, train_cfg, resume_from = resolve_configs(
