@@ -88,6 +88,16 @@ class Mask:
         """True when every query may see every key."""
         return not self.causal and self.window is None and not self.per_batch
 
+    def sees_every_key(self, T: int, S: int) -> bool:
+        """True when each of the T queries may see all S keys: a full mask, or one causal query
+        (decoding a token) whose window, if any, reaches back over every key the cache returned
+        (a rolling cache returns the sinks and the window). Such a request needs no mask."""
+        if self.is_full:
+            return True
+        reach = None if self.window is None else self.window + (self.sink_tokens or 0)
+        return (T == 1 and self.causal and not self.per_batch and self.prefix_len is None
+                and (reach is None or S <= reach))
+
     @property
     def may_have_empty_rows(self) -> bool:
         """Whether some query row can see no key at all (then it must output zeros).

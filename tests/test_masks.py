@@ -115,3 +115,23 @@ def test_dense_mask_agrees_with_the_plain_python_predicate():
     for T, S, window in ((5, 5, None), (3, 9, 4), (1, 6, 1)):
         dense = Mask(window=window).dense(T, S)[0, 0]
         assert dense.tolist() == [[allowed(S - T + i, j, window=window) for j in range(S)] for i in range(T)]
+
+
+@pytest.mark.parametrize("T, S, rules, sees_all", [
+    (1, 9, {}, True),  # a decoded token over its cache
+    (1, 9, {"causal": False}, True),
+    (1, 9, {"window": 9}, True),  # the window reaches back over every key
+    (1, 9, {"window": 6, "sink_tokens": 3}, True),  # a rolling cache's sinks and window
+    (2, 9, {}, False),  # two queries: the first cannot see the second
+    (1, 9, {"window": 8}, False),  # the oldest key is outside the window
+    (1, 9, {"window": 5, "sink_tokens": 3}, False),
+    (1, 9, {"key_padding_mask": torch.ones(1, 9, dtype=torch.bool)}, False),  # per-batch rules are not read
+    (1, 9, {"prefix_len": torch.tensor([2])}, False),
+])
+def test_sees_every_key_only_where_the_dense_mask_shows_every_pair(T, S, rules, sees_all):
+    mask = Mask(**rules)
+    assert mask.sees_every_key(T, S) == sees_all
+    if sees_all:
+        assert bool(mask.dense(T, S).all())
+    elif not mask.per_batch and mask.prefix_len is None:
+        assert not bool(mask.dense(T, S).all())  # the claim is refused exactly where a pair is hidden

@@ -2,8 +2,9 @@
 
 ``is_causal=True`` is used only where it is exactly our rule (T == S, causal, nothing
 else): PyTorch aligns its causal mask top-left, which is wrong once a cache makes T < S.
-Every other request passes the explicit boolean mask from :mod:`selfattn.masks`; ALiBi, a
-dense additive bias, passes as a float mask. Other score rules (soft-capping, a score_mod,
+A request whose queries see every key (one decoded token) passes no mask; every other
+passes the explicit boolean mask from :mod:`selfattn.masks`; ALiBi, a dense additive bias,
+passes as a float mask. Other score rules (soft-capping, a score_mod,
 sinks) are not expressible to SDPA and are refused.
 """
 from __future__ import annotations
@@ -37,7 +38,7 @@ def run(q: Tensor, k: Tensor, v: Tensor, mask: Mask, *, scale: float, dropout_p:
     alibi = scores is not None and scores.alibi_slopes is not None
     is_causal = mask.plain_causal and T == S and not alibi
     attn_mask, empty = None, None
-    if not mask.is_full and not is_causal:
+    if not is_causal and not mask.sees_every_key(T, S):  # a decoded token sees every key: no mask
         attn_mask, empty = dense_mask(mask, T, S, q.device)  # (B or 1, H or 1, T, S) bool
     if alibi:
         j = torch.arange(S, device=q.device)

@@ -485,3 +485,16 @@ def test_attention_validation_errors_name_their_values(args, kwargs, error, word
     with pytest.raises(error) as info:
         attention(*args, **kwargs)
     assert all(w in str(info.value) for w in words), str(info.value)
+
+
+def test_sdpa_passes_no_mask_for_a_decoded_token_and_the_dense_one_otherwise(monkeypatch):
+    from selfattn.backends import sdpa
+    seen, fused = [], sdpa.F.scaled_dot_product_attention
+    monkeypatch.setattr(sdpa.F, "scaled_dot_product_attention",
+                        lambda *a, attn_mask=None, **kw: seen.append(attn_mask) or fused(*a, attn_mask=attn_mask, **kw))
+    k = torch.randn(1, 2, 9, 8, dtype=torch.float64)
+    for T, window in ((1, None), (1, 4), (2, None)):
+        q = torch.randn(1, 4, T, 8, dtype=torch.float64)
+        out = attention(q, k, k, window=window, backend="sdpa")
+        torch.testing.assert_close(out, attention(q, k, k, window=window, backend="math"), **F64)
+    assert seen[0] is None and seen[1] is not None and seen[2] is not None  # the window and the 2 queries hide keys

@@ -186,3 +186,12 @@ def test_cli_calibrate_writes_the_cache_and_show_says_what_auto_follows(cache, t
         tuning.forget()
         best = {m["key"]: m["best"] for m in result["results"]}
         assert _choose(*_request(T=512, window=256)) == best["window float32 fwd"]
+
+
+def test_a_decoded_token_takes_sdpa_without_looking_the_measurements_up(cache):
+    """One query that sees every key: rule 2 at once, even where a measurement of it says otherwise."""
+    q, k = torch.randn(1, 2, 1, 16), torch.randn(1, 2, 512, 16)
+    decode, windowed = (q, k, k.clone(), Mask()), (q, k, k.clone(), Mask(window=8))
+    tuning.record(CPU, [_fake(decode, "tiled"), _fake(windowed, "tiled")])
+    assert _choose(*decode) == "sdpa"
+    assert _choose(*windowed) == "tiled"  # control: a window hides keys from it, the measurement decides
