@@ -7,7 +7,8 @@ model's perplexity, and how often their next-token choices (argmax) agree, the w
 through the cache a few tokens at a time as decoding reads them (the int8 products of a few rows
 take another kernel than a prompt's).
 :func:`decode_speed`: batch-1 greedy decode time per token of both, interleaved in one run, and
-the bytes of their weights.
+the bytes of their weights; where the model is a GGUF file and ``llama_cpp`` is importable,
+llama.cpp's decode time on the same file and prompt (:mod:`selfattn.bench.llama_cpp`).
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from selfattn import _plot, _validate
-from selfattn.bench import common
+from selfattn.bench import common, llama_cpp
 from selfattn.bench.decode import DEFAULT_CKPT
 from selfattn.model import GPT
 from selfattn.quantize import KERNEL_ROWS, quantize_int8
@@ -136,8 +137,20 @@ def run(settings: Settings, device: torch.device, *, log=print) -> dict:
     speed = decode_speed(model, twin, idx.to(device), settings.new_tokens, device, settings.reps)
     result = {"suite": "int8", "machine": info, "settings": asdict(settings), "model": name,
               "accuracy": acc, "speed": speed}
+    why = llama_cpp.unavailable(settings.ckpt)
+    if why is None:
+        log("llama.cpp: decoding the same file")
+        peer = {"status": "ok", "file_bytes": Path(settings.ckpt).stat().st_size,
+                **llama_cpp.decode_speed(settings.ckpt, idx[0].tolist(), settings.new_tokens, settings.reps)}
+    else:
+        peer = {"status": "unavailable", "reason": why}
+    result["llama_cpp"] = peer
     result["targets"] = [common.target("int8 decodes faster than the float model (batch 1)",
                                        speed["int8_speedup"] > 1.0, f"{speed['int8_speedup']:.2f}x")]
+    if why is None:
+        ratio = peer["s_per_token"] / speed["int8_s_per_token"]
+        result["targets"].append(common.target("int8 decodes at least as fast as llama.cpp on the same file "
+                                               "(batch 1, moonshot)", ratio >= 1.0, f"{ratio:.2f}x"))
     return result
 
 
@@ -147,10 +160,15 @@ def report(result: dict) -> str:
              f"{s['weight_bytes_float'] / 1e6:.0f}"],
             ["int8", f"{a['perplexity_int8']:.3f}", f"{a['top1_agreement']:.3f}", f"{s['int8_s_per_token'] * 1e3:.1f}",
              f"{s['weight_bytes_int8'] / 1e6:.0f}"]]
+    peer = result.get("llama_cpp", {"status": "unavailable", "reason": "not measured"})
+    if peer["status"] == "ok":
+        body.append([f"llama.cpp {peer['version']} (the file)", "", "", f"{peer['s_per_token'] * 1e3:.1f}",
+                     f"{peer['file_bytes'] / 1e6:.0f}"])
     return "\n".join([
         "", f"int8: {result['model']}, {result['settings']['dtype']}; perplexity on {a['windows']} x {a['length']} "
             f"tokens of the built-in corpus, batch-1 decode ms/token (prefill excluded)",
         common.table(["weights", "perplexity", "top-1 = float", "ms/token", "weight MB"], body),
+        *([f"llama.cpp: not measured, {peer['reason']}"] if peer["status"] != "ok" else []),
         "", common.format_targets(result["targets"])])
 
 
@@ -158,7 +176,10 @@ def plot(result: dict, path: Path) -> Path:
     s = result["speed"]
     fig = _plot.figure(figsize=(6, 4))
     ax = fig.subplots()
-    ax.bar(["float", "int8"], [s["float_s_per_token"] * 1e3, s["int8_s_per_token"] * 1e3])
+    bars = {"float": s["float_s_per_token"], "int8": s["int8_s_per_token"]}
+    if result.get("llama_cpp", {}).get("status") == "ok":
+        bars["llama.cpp"] = result["llama_cpp"]["s_per_token"]
+    ax.bar(list(bars), [t * 1e3 for t in bars.values()])
     ax.set(ylabel="ms per decoded token", title=f"selfattn bench int8 ({result['machine']['device']})")
     fig.tight_layout()
     return _plot.save(fig, path, dpi=110)
