@@ -5,7 +5,8 @@ cores) is importable, :func:`decode_speed` times its greedy decoding of a GGUF f
 process's thread count, on the same prompt tokens as ours; never a dependency of the tests.
 It reads the file's weights as stored (SmolLM2's Q4_1: 4-bit blocks with a scale and a
 minimum), where we decode the dequantised float (or our int8) weights: the same model, not the
-same bytes per token.
+same bytes per token. Built for the native CPU (llama-cpp-python 0.3.36) it crashed on every
+prompt of two tokens or more on an AMX Xeon; built without AMX (``docs/benchmarks.md``) it runs.
 """
 from __future__ import annotations
 
