@@ -4,8 +4,8 @@
 else): PyTorch aligns its causal mask top-left, which is wrong once a cache makes T < S.
 A request whose queries see every key (one decoded token) passes no mask; every other
 passes the explicit boolean mask from :mod:`selfattn.masks`; ALiBi, a dense additive bias,
-passes as a float mask. Other score rules (soft-capping, a score_mod,
-sinks) are not expressible to SDPA and are refused.
+passes as a float mask. Other score rules (soft-capping, a score_mod, sinks) are not
+expressible to SDPA and are refused.
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """llama.cpp as a peer of batch-1 decoding: the anchor users pick on a CPU.
 
-Where ``llama_cpp`` (PyPI ``llama-cpp-python``, built from source: about 25 minutes on 2
-cores) is importable, :func:`decode_speed` times its greedy decoding of a GGUF file with this
+Where ``llama_cpp`` (PyPI ``llama-cpp-python``, built from source: 11 minutes on a 2-core
+Xeon) is importable, :func:`decode_speed` times its greedy decoding of a GGUF file with this
 process's thread count, on the same prompt tokens as ours; never a dependency of the tests.
 It reads the file's weights as stored (SmolLM2's Q4_1: 4-bit blocks with a scale and a
 minimum), where we decode the dequantised float (or our int8) weights: the same model, not the
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-INSTALL = "pip install llama-cpp-python (built from source, about 25 minutes on 2 cores)"
+INSTALL = "pip install llama-cpp-python (it builds llama.cpp from source)"
 
 
 def unavailable(path: str | None) -> str | None:

@@ -68,7 +68,7 @@ def barrier() -> None:
 
 
 def shutdown() -> None:
-    """Leave the process group (every rank has passed :func:`barrier` first)."""
+    """Leave the process group, if this process joined one."""
     if dist.is_initialized():
         dist.destroy_process_group()
         global _left_a_group
