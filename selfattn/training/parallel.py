@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import sys
 
 import torch
 import torch.distributed as dist
@@ -78,17 +77,9 @@ def shutdown() -> None:
 _left_a_group = False
 
 
-def exit_after_group(status: int) -> None:
-    """After a run on a process group, end the process with ``status`` without interpreter
-    finalisation. gloo's threads can outlive ``destroy_process_group``, and a rank then aborts
-    at exit ("terminate called without an active exception", status -6) after its work is
-    done and saved (seen in a two-process FSDP test of a full suite on a loaded 2-core machine).
-    Everything the run writes is closed (checkpoints atomically) before this; standard output
-    and error are flushed. Outside a process group it returns."""
-    if _left_a_group:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(status)
+def left_a_group() -> bool:
+    """Whether this process joined a process group and has left it (:func:`shutdown`)."""
+    return _left_a_group
 
 
 def wrap(raw: nn.Module, *, compile: bool, fsdp: bool, world: int, device: torch.device) -> nn.Module:
