@@ -36,7 +36,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     status = _train(args)
-    if parallel.left_a_group():
+    if parallel.launched():  # the process group is left by now
         _exit_now(status)
     return status
 

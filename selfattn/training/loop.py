@@ -182,7 +182,7 @@ def _check_resume_flags(ckpt: Path, meta: dict, model_flags: dict, train_flags: 
 def _check_resume_launch(ckpt: Path, cfg: TrainConfig, train_flags: dict) -> None:
     """A resumed run takes its processes' settings from the checkpoint: when one process cannot
     serve them, say where the value comes from and both ways on."""
-    if "RANK" in os.environ:  # under torchrun: parallel.setup checks the world it joined
+    if parallel.launched():  # under torchrun: parallel.setup checks the world it joined
         return
     for key, on, launch, alone in (
             ("context_parallel", cfg.context_parallel > 1, f"torchrun --nproc_per_node={cfg.context_parallel}",

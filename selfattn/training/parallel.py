@@ -24,9 +24,14 @@ def rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
+def launched() -> bool:
+    """Whether torchrun started this process (its environment names a rank): it then runs on a process group."""
+    return "RANK" in os.environ
+
+
 def setup(device: torch.device, fsdp: bool, context_parallel: int = 1) -> tuple[int, int, torch.device]:
     """(rank, world size, this rank's device); joins the process group torchrun describes."""
-    if "RANK" not in os.environ:
+    if not launched():
         if fsdp:
             raise ValueError("--fsdp shards the model across processes: launch with torchrun --nproc_per_node=N")
         if context_parallel > 1:
@@ -70,16 +75,6 @@ def shutdown() -> None:
     """Leave the process group, if this process joined one."""
     if dist.is_initialized():
         dist.destroy_process_group()
-        global _left_a_group
-        _left_a_group = True
-
-
-_left_a_group = False
-
-
-def left_a_group() -> bool:
-    """Whether this process joined a process group and has left it (:func:`shutdown`)."""
-    return _left_a_group
 
 
 def wrap(raw: nn.Module, *, compile: bool, fsdp: bool, world: int, device: torch.device) -> nn.Module:
