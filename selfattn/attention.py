@@ -23,7 +23,7 @@ from selfattn import _validate, backends
 from selfattn.kv_cache import KVCache, RollingKVCache
 from selfattn.masks import Mask
 from selfattn.norms import Norm
-from selfattn.rope import apply_rope, check_scaling
+from selfattn.rope import check_scaling, rope_tables, rotate
 from selfattn.rope import rope_angles as rope_angles_of
 from selfattn.scores import Scores, alibi_slopes, check_score_mod
 
@@ -177,8 +177,9 @@ class SelfAttention(nn.Module):
             :class:`~selfattn.distributed.SequenceShard`): RoPE takes the tokens' global
             positions and attention is ring attention over the whole sequence.
         rope_angles: a dict shared by the layers of one forward over the same ``positions``: each
-            RoPE rule's cos and sin are computed by the first layer that needs them and reused
-            by the others (a decode step would otherwise compute them once per layer).
+            RoPE rule's tables (:func:`~selfattn.rope.rope_tables`) are computed by the first layer
+            that needs them and reused by the others (a decode step would otherwise compute them
+            once per layer).
         """
         _validate.embeddings("SelfAttention", x, self.n_embd)
         B, T, _ = x.shape
@@ -199,16 +200,15 @@ class SelfAttention(nn.Module):
             elif positions is None:
                 past = cache.length if cache is not None else 0
                 positions = torch.arange(past, past + T, device=x.device)  # (T,)
-            work = torch.promote_types(q.dtype, torch.float32)  # what apply_rope rotates in
+            work = torch.promote_types(q.dtype, torch.float32)  # what the rotation runs in
             rule = (self.rope_dims, self.rope_base, repr(self.rope_scaling), work)
-            if rope_angles is not None and rule in rope_angles:
-                cos, sin = rope_angles[rule]
-            else:
-                cos, sin = (t.to(work) for t in rope_angles_of(positions, self.rope_dims, self.rope_base,
-                                                               scaling=self.rope_scaling))  # (1 or B, 1, T, R/2)
+            tables = None if rope_angles is None else rope_angles.get(rule)
+            if tables is None:
+                tables = rope_tables(*rope_angles_of(positions, self.rope_dims, self.rope_base,
+                                                     scaling=self.rope_scaling), work)  # (1 or B, 1, T, R) x2
                 if rope_angles is not None:
-                    rope_angles[rule] = cos, sin
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+                    rope_angles[rule] = tables
+            q, k = rotate(q, *tables), rotate(k, *tables)
         if cache is not None:
             k, v = cache.append(k, v)  # (B, Hkv, S, D): the cached keys the queries need, and the T new ones
             if isinstance(cache, RollingKVCache):  # per-position masks follow the positions the keys hold

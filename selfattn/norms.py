@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from selfattn import _validate
@@ -55,7 +56,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         work = x.to(torch.promote_types(x.dtype, torch.float32))  # (..., W), half inputs in float32
-        normed = work * torch.rsqrt(work.pow(2).mean(-1, keepdim=True) + self.eps)
+        normed = F.rms_norm(work, work.shape[-1:], eps=self.eps)  # work * rsqrt(mean(work²) + eps), one kernel
         if self.weight_in_float32:
             return (normed * (self.weight.to(work.dtype) + self.offset)).to(x.dtype)
         return (self.weight + self.offset if self.offset else self.weight) * normed.to(x.dtype)

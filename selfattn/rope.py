@@ -166,8 +166,24 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """Rotate the first R = 2 · ``cos.shape[-1]`` channels of ``x`` (B, H, T, D) by the angles
     of :func:`rope_angles` (the other D - R pass); same shape and dtype."""
     work = torch.promote_types(x.dtype, torch.float32)  # half inputs rotate in float32
-    R = 2 * cos.shape[-1]
-    x1, x2 = x[..., :R].to(work).chunk(2, dim=-1)  # (B, H, T, R/2) each
-    cos, sin = cos.to(work), sin.to(work)
-    rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)  # (B, H, T, R)
+    return rotate(x, *rope_tables(cos, sin, work))
+
+
+def rope_tables(cos: Tensor, sin: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """:func:`rope_angles`' cos and sin (..., R/2) as the full-width tables :func:`rotate`
+    multiplies by, in ``dtype``: ``[cos, cos]`` and ``[-sin, sin]``, each (..., R)."""
+    cos, sin = cos.to(dtype), sin.to(dtype)
+    return torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)
+
+
+def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """:func:`apply_rope` with the tables of :func:`rope_tables` (their dtype is the working
+    precision), ``x · cos + swap(x) · sin`` where swap exchanges the halves (x1, x2) -> (x2, x1):
+    ``(x1·cos - x2·sin, x2·cos + x1·sin)`` in three operations, the same numbers to the last bit
+    (a negated factor rounds as the subtraction does). Built once per forward, the tables serve
+    every layer; same shape and dtype as ``x``."""
+    R = cos.shape[-1]
+    head = x[..., :R].to(cos.dtype)  # (B, H, T, R)
+    swapped = head.unflatten(-1, (2, R // 2)).flip(-2).flatten(-2)  # (B, H, T, R): (x2, x1)
+    rotated = (head * cos + swapped * sin).to(x.dtype)  # (B, H, T, R)
     return rotated if R == x.shape[-1] else torch.cat([rotated, x[..., R:]], dim=-1)  # (B, H, T, D)

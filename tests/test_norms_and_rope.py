@@ -16,7 +16,7 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm
 from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm
 
 from selfattn.norms import Norm, RMSNorm
-from selfattn.rope import apply_rope, check_scaling, rope_angles, rope_frequencies
+from selfattn.rope import apply_rope, check_scaling, rope_angles, rope_frequencies, rope_tables, rotate
 
 
 @pytest.mark.parametrize("theirs, ours", [
@@ -101,3 +101,18 @@ def test_partial_rotary_rotates_the_first_channels_only():
 def test_a_rule_rope_cannot_compute_is_refused_naming_it(scaling, words):
     with pytest.raises(ValueError, match=words):
         check_scaling(scaling, ROTARY)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("R", [16, 8])  # every channel, or partial rotary
+def test_rotate_is_the_rotate_half_formula_to_the_last_bit(dtype, R):
+    x = (torch.randn(2, 3, 7, 16) * 4).to(dtype)
+    cos, sin = rope_angles(torch.arange(100, 107), R, 10000.0)  # float64, (1, 1, T, R/2)
+    work = torch.float32
+    x1, x2 = x[..., :R].to(work).chunk(2, dim=-1)
+    c, s = cos.to(work), sin.to(work)
+    formula = torch.cat([torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).to(dtype), x[..., R:]], dim=-1)
+    assert torch.equal(rotate(x, *rope_tables(cos, sin, work)), formula)
+    assert torch.equal(apply_rope(x, cos, sin), formula)
+    wrong_sign = rope_tables(cos, -sin, work)  # control: the rotation the other way
+    assert not torch.equal(rotate(x, *wrong_sign), formula)
