@@ -353,15 +353,16 @@ class GPT(nn.Module):
         return n
 
     @torch.no_grad()
-    def decode_layout(self) -> GPT:
-        """Store and multiply the weights as batch-1 decoding reads them fastest; returns self.
+    def decode_layout(self, *, one_row: str | None = None, few_rows: str | None = None) -> GPT:
+        """Store and multiply the weights as decoding reads them fastest; returns self.
 
         Shapes, values and ``state_dict`` are unchanged: float32 matrices take the (in, out)
-        memory order, and every ``nn.Linear`` multiplies a single row by ``torch.mv``, which in
-        half precision is much faster on CPU (see :mod:`selfattn.decode_layout`). Meant for
-        inference: it slows the token-embedding lookups of training.
+        memory order, and every ``nn.Linear`` multiplies one row and a few rows by the product
+        forms measured fastest here for its dtype (``torch.mv``, ``F.linear`` or ``W·xᵀ``; or
+        the ones named by ``one_row`` and ``few_rows``: see :mod:`selfattn.decode_layout`).
+        Meant for inference: it slows the token-embedding lookups of training.
         """
-        return decode_layout(self)
+        return decode_layout(self, one_row=one_row, few_rows=few_rows)
 
     @property
     def max_positions(self) -> int | None:

@@ -1,10 +1,14 @@
 """KV-cache decoding equals the full forward; generate streams, samples and stops correctly."""
+import re
+import time
+
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from selfattn.decode_layout import RowLinear
+from selfattn import decode_layout
+from selfattn.decode_layout import FEW, RowLinear
 from selfattn.kv_cache import KVCache, RollingKVCache
 from selfattn.sampling import next_token, top_k_filter, top_p_filter
 
@@ -254,23 +258,27 @@ def test_decode_layout_changes_strides_only():
     assert model.blocks[0].mlp.c_fc.weight.stride() == (1, 128)
 
 
+@pytest.mark.parametrize("forms", [("mv", "linear"), ("linear", "wxt"), ("wxt", "wxt"), (None, None)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_decode_layout_multiplies_one_row_by_mv_and_computes_the_same(dtype):
+def test_decode_layout_computes_the_same_whatever_products_it_takes(dtype, forms):
     model = scrambled(small(**VARIANTS["llama-shaped"])).to(dtype)
-    idx = torch.randint(0, 61, (1, 6))
+    idx = torch.randint(0, 61, (3, 6))
     logits = model(idx)[0]
-    tokens = torch.stack(list(model.generate(idx, 10, temperature=0)), 1)
-    model.decode_layout()
+    tokens = torch.stack(list(model.generate(idx[:1], 10, temperature=0)), 1)
+    one_row, few_rows = forms
+    model.decode_layout(one_row=one_row, few_rows=few_rows)  # None, None: measured here
     linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
     assert linears and all(type(m) is RowLinear for m in linears)
+    assert all(m.one_row == (one_row or linears[0].one_row) and m.few_rows == (few_rows or linears[0].few_rows)
+               for m in linears)  # one choice per dtype
     w = model.blocks[0].attn.qkv.weight
-    assert w.t().is_contiguous() if dtype == torch.float32 else w.is_contiguous()  # half: (out, in) rows, for mv
+    assert w.t().is_contiguous() if dtype == torch.float32 else w.is_contiguous()  # half: (out, in) rows
     tol = 1e-5 if dtype == torch.float32 else 3e-2 * logits.abs().max().item()
-    torch.testing.assert_close(model(idx)[0], logits, rtol=0, atol=tol)  # many rows: F.linear
-    step = model(idx[:, :1])[0]  # one row: torch.mv
-    torch.testing.assert_close(step, logits[:, :1], rtol=0, atol=tol)
+    torch.testing.assert_close(model(idx)[0], logits, rtol=0, atol=tol)  # 18 rows: F.linear
+    torch.testing.assert_close(model(idx[:1])[0], logits[:1], rtol=0, atol=tol)  # 6 rows: the few-row form
+    torch.testing.assert_close(model(idx[:1, :1])[0], logits[:1, :1], rtol=0, atol=tol)  # one row
     if dtype == torch.float32:
-        assert torch.equal(torch.stack(list(model.generate(idx, 10, temperature=0)), 1), tokens)
+        assert torch.equal(torch.stack(list(model.generate(idx[:1], 10, temperature=0)), 1), tokens)
 
 
 def test_decode_layout_again_after_a_cast_stores_each_dtype_in_its_order():
@@ -284,13 +292,42 @@ def test_decode_layout_again_after_a_cast_stores_each_dtype_in_its_order():
     assert all(w.t().is_contiguous() for w in weights())
 
 
-def test_a_row_linear_takes_mv_for_one_row_only(monkeypatch):
-    linear = RowLinear(8, 4)
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_row_linear_takes_its_forms_by_the_number_of_rows(monkeypatch, bias):
+    linear = RowLinear(8, 4, bias=bias)
+    linear.one_row, linear.few_rows = "mv", "wxt"
     calls = []
-    real = torch.mv
-    monkeypatch.setattr(torch, "mv", lambda w, v: calls.append(v.shape) or real(w, v))
-    x = torch.randn(1, 1, 8)
-    torch.testing.assert_close(linear(x), F.linear(x, linear.weight, linear.bias), rtol=0, atol=1e-6)
-    assert calls == [(8,)]
-    linear(torch.randn(2, 3, 8))
-    assert calls == [(8,)]  # control: more rows go through F.linear
+    for name, product in dict(decode_layout.PRODUCTS).items():
+        recorded = lambda w, rows, name=name, product=product: calls.append((name, len(rows))) or product(w, rows)
+        monkeypatch.setitem(decode_layout.PRODUCTS, name, recorded)
+    for shape, called in (((1, 1, 8), [("mv", 1)]), ((2, 3, 8), [("wxt", 6)]), ((1, FEW, 8), [("wxt", FEW)]),
+                          ((1, FEW + 1, 8), []), ((0, 8), [])):  # more rows, or none: F.linear
+        calls.clear()
+        x = torch.randn(shape)
+        torch.testing.assert_close(linear(x), F.linear(x, linear.weight, linear.bias), rtol=0, atol=1e-6)
+        assert calls == called, (shape, calls)
+
+
+def test_decode_layout_measures_the_fastest_form(monkeypatch):
+    def slowed(form):
+        product = decode_layout.PRODUCTS[form]
+        return lambda w, rows: time.sleep(2e-3) or product(w, rows)
+
+    model = scrambled(small())
+    monkeypatch.setitem(decode_layout.PRODUCTS, "mv", slowed("mv"))
+    monkeypatch.setitem(decode_layout.PRODUCTS, "linear", slowed("linear"))
+    model.decode_layout()
+    assert (model.lm_head.one_row, model.lm_head.few_rows) == ("wxt", "wxt")
+    monkeypatch.undo()
+    monkeypatch.setitem(decode_layout.PRODUCTS, "wxt", slowed("wxt"))
+    monkeypatch.setitem(decode_layout.PRODUCTS, "mv", slowed("mv"))
+    model.decode_layout()  # control: the measurement follows the times
+    assert (model.lm_head.one_row, model.lm_head.few_rows) == ("linear", "linear")
+
+
+@pytest.mark.parametrize("kw, words", [(dict(one_row="gemv"), "one_row must be one of 'mv', 'linear', 'wxt'"),
+                                       (dict(few_rows="mv"), "few_rows must be one of 'linear', 'wxt' or None"
+                                                             " (measured), got 'mv'")])
+def test_decode_layout_names_a_product_it_does_not_know(kw, words):
+    with pytest.raises(ValueError, match=re.escape(words)):
+        scrambled(small()).decode_layout(**kw)
