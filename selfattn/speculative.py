@@ -22,7 +22,9 @@ others). The round feeds ``m`` positions ``L .. L + m - 1``: each row's committe
 
 - greedy (temperature 0): a draft stands when it is the model's argmax; the first that does not
   is replaced by the argmax, and when all stand the model's next token follows (the bonus):
-  token for token what plain greedy decoding produces.
+  token for token what plain greedy decoding produces (up to rounding: the forward over m
+  positions rounds otherwise than one-token steps, which in half precision can turn a near tie
+  of two logits the other way; see ``docs/gpt.md``).
 - sampling: the speculative sampling rule (Leviathan et al. 2023; Chen et al. 2023): a draft
   ``d`` drawn from the draft's distribution q stands with probability min(1, p(d) / q(d)), p the
   model's; the first rejected one is replaced by a draw from normalised max(0, p - q), and when

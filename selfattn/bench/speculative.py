@@ -140,7 +140,7 @@ def run(settings: Settings, device: torch.device, *, log=print) -> dict:
     info = common.machine(device)
     log(common.describe(info))
     model, encode, eos, name = _model(settings)
-    model = model.to(device=device, dtype=common.DTYPES[settings.dtype])
+    model = model.to(device=device, dtype=common.DTYPES[settings.dtype]).decode_layout()  # as `selfattn sample`
     hf, hf_missing = hf_twin(model)
     N = settings.self_layers or max(1, model.config.n_layer // 4)
     bandwidth = common.stream_bandwidth(device, settings.bandwidth_mib << 20)
