@@ -23,13 +23,14 @@ and ``state_dict`` are unchanged; the forms round alike up to the order of their
 """
 from __future__ import annotations
 
-import statistics
-import time
+import functools
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from selfattn import _timing
 
 HALF = (torch.bfloat16, torch.float16)
 FEW = 16  # up to this many rows a RowLinear takes its few-row form; more rows F.linear
@@ -93,26 +94,25 @@ def decode_layout(model: nn.Module, *, one_row: str | None = None, few_rows: str
 def fastest(linears: list[nn.Linear], rows: int, forms: tuple[str, ...], repeats: int = 3) -> str:
     """The form of ``forms`` that multiplies ``rows`` rows by every matrix of ``linears`` (one
     dtype and device) fastest: the median of ``repeats`` timed passes over them all, the forms
-    interleaved, after one untimed pass each (kernels set up, matrices paged in). Off the CPU,
-    the first form."""
+    interleaved in rotating order, after one untimed pass each (kernels set up, matrices paged
+    in). Off the CPU, the first form."""
     w = linears[0].weight
     if w.device.type != "cpu":
         return forms[0]
     inputs = {m.in_features: torch.randn(rows, m.in_features, dtype=w.dtype) for m in linears}  # (rows, in)
-
-    def seconds(form: str) -> float:
-        start = time.perf_counter()
-        for m in linears:
-            PRODUCTS[form](m.weight, inputs[m.in_features])
-        return time.perf_counter() - start
-
-    for form in forms:
-        seconds(form)
+    passes = {form: functools.partial(_pass, form, linears, inputs) for form in forms}
+    for run in passes.values():
+        run()
     times = {form: [] for form in forms}
-    for _ in range(repeats):
-        for form in forms:
-            times[form].append(seconds(form))
-    return min(forms, key=lambda form: statistics.median(times[form]))
+    _timing.rounds(passes, times, list(forms), repeats)
+    median = _timing.medians(times)
+    return min(forms, key=median.get)
+
+
+def _pass(form: str, linears: list[nn.Linear], inputs: dict[int, Tensor]) -> None:
+    """One product of each matrix of ``linears`` with its rows of ``inputs``, in the form ``form``."""
+    for m in linears:
+        PRODUCTS[form](m.weight, inputs[m.in_features])
 
 
 def _check_form(name: str, form, allowed: tuple[str, ...]) -> None:

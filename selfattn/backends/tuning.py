@@ -32,14 +32,13 @@ import json
 import math as pymath
 import os
 import platform
-import time
 import warnings
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
-from selfattn import _files
+from selfattn import _files, _timing
 from selfattn.backends._common import multiplies_natively
 from selfattn.masks import Mask
 from selfattn.scores import Scores
@@ -211,29 +210,16 @@ def measure(q: Tensor, k: Tensor, v: Tensor, mask: Mask, scores: Scores | None, 
     for name, fn in fns.items():
         for _ in range(2 if name == "flex" else 1):
             fn()
-    _rounds(fns, times, list(fns), reps)
-    median = _medians(times)
+    _timing.rounds(fns, times, list(fns), reps)
+    median = _timing.medians(times)
     close = sorted(median, key=median.get)[:2]
     if len(close) == 2 and median[close[1]] <= TIE * median[close[0]]:  # a near tie: the two timed longer
-        _rounds(fns, times, close, 2 * reps)
-        median = _medians(times)
+        _timing.rounds(fns, times, close, 2 * reps)
+        median = _timing.medians(times)
     return {"key": key(q, mask, scores, k.shape[2], grad), "T": q.shape[2], "S": k.shape[2],
             "window": window(mask, k.shape[2]), "B": q.shape[0], "H": q.shape[1], "D": q.shape[3],
             "times_s": median, "calls": {name: len(ts) for name, ts in times.items()},
             "best": min(median, key=median.get)}
-
-
-def _rounds(fns: dict, times: dict, names: list[str], reps: int) -> None:
-    """``reps`` rounds of the named calls, the order rotated each round, each time appended to ``times``."""
-    for r in range(reps):
-        for name in names[r % len(names):] + names[:r % len(names)]:
-            start = time.perf_counter()
-            fns[name]()
-            times[name].append(time.perf_counter() - start)
-
-
-def _medians(times: dict) -> dict:
-    return {name: sorted(ts)[len(ts) // 2] for name, ts in times.items()}
 
 
 def _call(backend, q, k, v, dout, mask, scores, scale) -> None:

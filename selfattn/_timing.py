@@ -1,0 +1,19 @@
+"""Timing inside the library, for the choices it measures on the machine it runs on (``auto``'s
+backends, :mod:`selfattn.backends.tuning`; the product forms of :mod:`selfattn.decode_layout`)."""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+
+def rounds(fns: dict[str, Callable[[], object]], times: dict[str, list[float]], names: list[str], reps: int) -> None:
+    """``reps`` rounds of the named calls, the order rotated each round, each time appended to ``times``."""
+    for r in range(reps):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            start = time.perf_counter()
+            fns[name]()
+            times[name].append(time.perf_counter() - start)
+
+
+def medians(times: dict[str, list[float]]) -> dict[str, float]:
+    return {name: sorted(ts)[len(ts) // 2] for name, ts in times.items()}
