@@ -12,7 +12,7 @@ from selfattn.decode_layout import FEW, RowLinear
 from selfattn.kv_cache import KVCache, RollingKVCache
 from selfattn.sampling import next_token, top_k_filter, top_p_filter
 
-from helpers.models import BACKENDS, PAIRS, VARIANTS, left_pad, scrambled, small
+from helpers.models import BACKENDS, PAIRS, VARIANTS, assert_same_logits, left_pad, scrambled, small
 
 INF = float("inf")
 SPLITS = {"token-by-token": [5] + [1] * 11, "chunks": [4, 3, 1, 5, 3]}  # prefill, then the rest; 16 tokens
@@ -37,8 +37,21 @@ def test_cached_decoding_equals_full_forward(variant, backend, split):
     idx = torch.randint(0, 61, (2, 16))
     full, _ = model(idx)
     cached = decode(model, idx, SPLITS[split])
-    torch.testing.assert_close(cached, full, rtol=0, atol=1e-5)
+    assert_same_logits(cached, full)
     assert torch.equal(cached.argmax(-1), full.argmax(-1))  # the greedy choice at every step
+
+
+def test_the_logits_bound_catches_a_hidden_key():
+    """Control: cached decoding whose mask hides the first token, a real mistake, is outside the
+    bound that cached and full logits are held to."""
+    model = scrambled(small(**VARIANTS["rope"]))
+    idx = torch.randint(0, 61, (2, 16))
+    full, _ = model(idx)
+    hidden = torch.ones(2, 16, dtype=torch.long)
+    hidden[:, 0] = 0
+    wrong = decode(model, idx, SPLITS["token-by-token"], hidden)
+    with pytest.raises(AssertionError):
+        assert_same_logits(wrong[:, 1:], full[:, 1:])
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -49,7 +62,7 @@ def test_cached_decoding_with_left_padding(variant, backend):
     full, _ = model(idx, attention_mask=mask)
     cached = decode(model, idx, SPLITS["token-by-token"], mask)
     real = mask.bool()
-    torch.testing.assert_close(cached[real], full[real], rtol=0, atol=1e-5)
+    assert_same_logits(cached[real], full[real])
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -63,7 +76,7 @@ def test_unused_cache_slots_are_never_read(backend):
         layer.v.fill_(float("nan"))
     cached = decode(model, idx, [3, 1, 4, 2], cache=cache)
     assert torch.isfinite(cached).all()
-    torch.testing.assert_close(cached, full, rtol=0, atol=1e-5)
+    assert_same_logits(cached, full)
     layer = cache[0]  # negative control: one NaN slot made live poisons the next step
     if isinstance(layer, RollingKVCache):  # (this windowed variant decodes through a rolling cache)
         layer.k[:, :, layer._slots(torch.tensor([layer.length - 1]))] = float("nan")
@@ -252,7 +265,7 @@ def test_decode_layout_changes_strides_only():
     assert w.shape == (128, 32) and w.stride() == (1, 128) and w.t().is_contiguous()
     assert model.lm_head.weight is model.wte.weight and model.wte.weight.stride() == (1, 61)
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
-    torch.testing.assert_close(model(idx)[0], logits, rtol=0, atol=1e-5)
+    assert_same_logits(model(idx)[0], logits)
     assert torch.equal(torch.stack(list(model.generate(idx, 10, temperature=0)), 1), tokens)
     model.decode_layout()  # idempotent
     assert model.blocks[0].mlp.c_fc.weight.stride() == (1, 128)

@@ -14,7 +14,7 @@ import transformers  # noqa: E402  (the [hf] extra, part of [dev])
 from selfattn.hf import from_hf, load_gpt2, to_hf  # noqa: E402
 from selfattn.model import GPT, GPTConfig  # noqa: E402
 
-from helpers.models import left_pad  # noqa: E402
+from helpers.models import assert_same_logits, left_pad  # noqa: E402
 
 transformers.logging.set_verbosity_error()
 CONFIGS = {
@@ -53,7 +53,7 @@ def test_logits_match_transformers(name):
     idx = torch.randint(0, hf.config.vocab_size, (3, 17))
     with torch.no_grad():
         expected, got = hf_logits(hf, idx), ours(idx)[0]
-    torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
+    assert_same_logits(got, expected)
     assert expected.abs().amax() > 1  # the logits are large enough for 1e-5 to mean something
 
 
@@ -65,7 +65,7 @@ def test_logits_match_transformers_with_left_padding(name):
     with torch.no_grad():
         expected, got = hf_logits(hf, idx, mask), ours(idx, attention_mask=mask)[0]
     real = mask.bool()
-    torch.testing.assert_close(got[real], expected[real], rtol=0, atol=1e-5)
+    assert_same_logits(got[real], expected[real])
 
 
 def test_a_wrong_conversion_is_caught():
@@ -126,7 +126,7 @@ def test_load_gpt2_from_a_saved_directory(tmp_path):
     ours = load_gpt2(tmp_path)
     idx = torch.randint(0, 64, (2, 11))
     with torch.no_grad():
-        torch.testing.assert_close(ours(idx)[0], hf(idx).logits, rtol=0, atol=1e-5)
+        assert_same_logits(ours(idx)[0], hf(idx).logits)
     assert ours.config.layer_norm_eps == 1e-3 and ours.config.block_size == 32
     with pytest.raises(FileNotFoundError, match="not a directory.*never downloaded"):
         load_gpt2(tmp_path / "missing")

@@ -44,6 +44,17 @@ def scrambled(config: GPTConfig) -> GPT:
     return model
 
 
+ORDER_ROUNDING = 4e-6  # float32: two orders of the same sums differ by up to ~1.6e-6 of the largest logit
+
+
+def assert_same_logits(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    """float32 logits of one computation done two ways (cached or batched, another backend or
+    library): equal up to the rounding of sums taken in another order, which grows with the
+    logits' size: ``ORDER_ROUNDING`` of their largest magnitude (at least 1e-5). A wrong
+    position, mask or weight moves logits by orders of magnitude more."""
+    bound = ORDER_ROUNDING * max(expected.abs().max().item(), 2.5)
+    torch.testing.assert_close(actual, expected, rtol=0, atol=bound)
+
 
 def left_pad(prompts: list[torch.Tensor], pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Left-pad 1-D prompts into idx (B, T) and attention_mask (B, T)."""
