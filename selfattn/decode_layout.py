@@ -1,25 +1,33 @@
 """How a model's weights are stored and multiplied for decoding (:meth:`GPT.decode_layout`).
 
 A decode step multiplies one row (batch 1) or a few (a batch, a speculative verification) by
-every weight matrix once, so it runs at the speed PyTorch's CPU kernels stream a matrix for a
-few rows. That depends on the dtype, the order the matrix is stored in, the form of the call
-and the machine. Milliseconds for all of SmolLM2-135M's matrices on a 2-core Xeon (AVX-512,
-AVX512-BF16, AMX), in the storage order below:
+every weight matrix once, so it runs at the speed the matrices stream through a product kernel
+for a few rows. That depends on the dtype, the order the matrix is stored in, the form of the
+call and the machine. Milliseconds for all of SmolLM2-135M's matrices, one row, in the storage
+order below, on two 2-core machines:
 
-    rows               1: torch.mv  F.linear  W·xᵀ     8: F.linear  W·xᵀ
-    float32                 21.6      20.0    20.2           46.0    84.0
-    bfloat16                16.5      23.1    23.5           23.2    15.7
-    float16                 39.2      28.5    29.4           38.6    40.0
+    rows 1:            torch.mv  F.linear  W·xᵀ   dot     8: F.linear  W·xᵀ
+    Xeon (AVX-512, AVX512-BF16, AMX)
+      float32              21.6      20.0    20.2    -          46.0    84.0
+      bfloat16             16.5      23.1    23.5    -          23.2    15.7
+    EPYC (AVX-512, AVX512-BF16)
+      float32              38.5      36.3     -     26.4        89.5      -
+      bfloat16             41.4      38.9    36.8   20.7        31.0    38.4
 
 ``W·xᵀ`` is ``torch.mm(weight, rows.T).T``: the same product with the matrix as the first
-operand, which sends bfloat16 to another kernel. The fastest form differs between dtypes, and
-a ranking measured on one CPU may be wrong on the next, so :func:`decode_layout` measures the
-forms on the model's own matrices, for one row and for :data:`MEASURED_ROWS` rows, and every
-``nn.Linear`` becomes a :class:`RowLinear`, which multiplies one row and up to :data:`FEW` rows
-by the chosen forms and more (a prompt) by ``F.linear``. The storage order is fixed: float32
-matrices take the (in, out) order (GPT-2's Conv1D; GPT-2 small decoded about 1.3x faster than
-in ``nn.Linear``'s (out, in) order), half-precision ones keep (out, in) rows. Values, shapes
-and ``state_dict`` are unchanged; the forms round alike up to the order of their sums.
+operand, which sends bfloat16 to another kernel. ``dot`` is one dot product per matrix row in
+float32 (``(W · x).sum(-1)``), a loop that ``torch.compile`` writes for this CPU: on the EPYC it
+streams float32 at 20 GB/s where the BLAS matrix-vector kernels reach 13. The fastest form
+differs between dtypes and machines, so :func:`decode_layout` measures the forms on the model's
+own matrices, for one row and for :data:`MEASURED_ROWS` rows, and every ``nn.Linear`` becomes a
+:class:`RowLinear`, which multiplies one row and up to :data:`FEW` rows by the chosen forms and
+more (a prompt) by ``F.linear``.
+
+Storage order. The BLAS forms read float32 matrices in the (in, out) order (GPT-2's Conv1D;
+GPT-2 small decoded about 1.3x faster than in ``nn.Linear``'s (out, in) order) and half-precision
+ones in (out, in) rows; ``dot`` reads rows. Every matrix of a dtype (embeddings too: a tied head
+is one) is stored in the order of its one-row form. Values, shapes and ``state_dict`` are
+unchanged; the forms round alike up to the order of their sums.
 """
 from __future__ import annotations
 
@@ -35,14 +43,34 @@ from selfattn import _timing
 HALF = (torch.bfloat16, torch.float16)
 FEW = 16  # up to this many rows a RowLinear takes its few-row form; more rows F.linear
 MEASURED_ROWS = 8  # the few-row forms are timed at this many rows
+DOT_FROM = 32 * 2 ** 20  # bytes of a dtype's matrices from which "dot" is measured: beyond the caches its
+# faster streaming pays for the kernel it compiles at first use (seconds); below, the BLAS forms serve
+
+
+def _dot_sums(w: Tensor, x: Tensor) -> Tensor:
+    """``w`` (out, in) rows times ``x`` (in,): ``(out,)``, each row's products summed in float32."""
+    return (w.float() * x.float()).sum(-1).to(x.dtype)
+
+
+@functools.cache
+def _compiled_dot_sums() -> Callable[[Tensor, Tensor], Tensor]:
+    return torch.compile(_dot_sums, dynamic=True)  # one kernel for every matrix shape of a dtype
+
 
 # a product form: (weight (out, in), rows (N, in)) -> (N, out)
 PRODUCTS: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
     "mv": lambda w, rows: torch.mv(w, rows[0])[None],  # one row only
     "linear": lambda w, rows: F.linear(rows, w),
     "wxt": lambda w, rows: torch.mm(w, rows.t()).t().contiguous(),  # W·xᵀ (out, N), transposed back
+    "dot": lambda w, rows: _compiled_dot_sums()(w, rows[0])[None],  # one row only
 }
+ONE_ROW_FORMS = ("mv", "linear", "wxt", "dot")
 FEW_ROW_FORMS = ("linear", "wxt")  # the forms that take several rows
+
+
+def stored_in_rows(form: str, dtype: torch.dtype) -> bool:
+    """Whether ``form`` reads a matrix of ``dtype`` fastest in (out, in) rows, else in (in, out)."""
+    return form == "dot" or dtype in HALF
 
 
 class RowLinear(nn.Linear):
@@ -67,52 +95,107 @@ def decode_layout(model: nn.Module, *, one_row: str | None = None, few_rows: str
     """Store and multiply ``model``'s weights as decoding reads them fastest (see the module
     docstring), in place; returns the model. ``one_row`` and ``few_rows`` name the forms of
     :data:`PRODUCTS` to use; None measures them here (on the CPU, per dtype: for a 135M-parameter
-    model about 1 s in float32, 0.5 s in bfloat16; elsewhere ``"mv"`` and ``"linear"``).
-    Idempotent. Meant for inference: the (in, out) order slows the token-embedding lookups of
-    training. Call it again after casting the model to another dtype (``.to()`` keeps each
-    matrix's order)."""
-    _check_form("one_row", one_row, tuple(PRODUCTS))
+    model about 2 s, and the first time ``dot`` is compiled in a process a few seconds more;
+    elsewhere ``"mv"`` and ``"linear"``). Idempotent. Meant for inference: the (in, out) order
+    slows the token-embedding lookups of training. Call it again after casting the model to
+    another dtype (``.to()`` keeps each matrix's order)."""
+    _check_form("one_row", one_row, ONE_ROW_FORMS)
     _check_form("few_rows", few_rows, FEW_ROW_FORMS)
-    linears: dict[tuple, list[RowLinear]] = {}  # (dtype, device) -> its matrices
+    if one_row == "dot":
+        _check_dot()
+    groups: dict[tuple, list[nn.Module]] = {}  # (dtype, device) -> its matrices' modules
     for module in model.modules():
         if type(module) is nn.Linear:
             module.__class__ = RowLinear  # the same parameters and state_dict, another forward
-        if isinstance(module, (nn.Linear, nn.Embedding)):  # also a model cast since: .to() keeps strides
-            w = module.weight.data  # copied only when stored in the other order
-            module.weight.data = w.contiguous() if w.dtype in HALF else w.t().contiguous().t()  # strides (1, out)
-        if isinstance(module, RowLinear):
-            linears.setdefault((module.weight.dtype, module.weight.device), []).append(module)
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            groups.setdefault((module.weight.dtype, module.weight.device), []).append(module)
     with torch.inference_mode():
-        for group in linears.values():
-            forms = {"one_row": one_row or fastest(group, 1, ("mv", "linear", "wxt")),
-                     "few_rows": few_rows or fastest(group, MEASURED_ROWS, FEW_ROW_FORMS)}
-            for module in group:
+        for modules in groups.values():
+            linears = [m for m in modules if isinstance(m, RowLinear)]
+            chosen = one_row or (fastest_one_row(modules, linears) if linears else "mv")
+            _store(modules, in_rows=stored_in_rows(chosen, modules[0].weight.dtype))
+            forms = {"one_row": chosen, "few_rows": few_rows or fastest(linears, MEASURED_ROWS, FEW_ROW_FORMS)}
+            for module in linears:
                 module.one_row, module.few_rows = forms["one_row"], forms["few_rows"]
     return model
 
 
-def fastest(linears: list[nn.Linear], rows: int, forms: tuple[str, ...], repeats: int = 3) -> str:
-    """The form of ``forms`` that multiplies ``rows`` rows by every matrix of ``linears`` (one
-    dtype and device) fastest: the median of ``repeats`` timed passes over them all, the forms
-    interleaved in rotating order, after one untimed pass each (kernels set up, matrices paged
-    in). Off the CPU, the first form."""
+def fastest_one_row(modules: list[nn.Module], linears: list[nn.Linear]) -> str:
+    """The one-row form that multiplies every matrix of ``linears`` fastest, each form timed with
+    the matrices (all of ``modules``, one dtype and device) stored in its order: the forms that
+    read one order timed together (:func:`timings`), then all compared. ``dot`` is a candidate
+    from :data:`DOT_FROM` bytes of matrices, where it compiles. Off the CPU, ``"mv"``."""
     w = linears[0].weight
     if w.device.type != "cpu":
+        return "mv"
+    forms = ["mv", "linear", "wxt"]
+    if sum(m.weight.numel() for m in linears) * w.element_size() >= DOT_FROM and _dot_failure() is None:
+        forms.append("dot")
+    median = {}  # form -> seconds
+    for in_rows in (False, True):
+        read_so = tuple(form for form in forms if stored_in_rows(form, w.dtype) == in_rows)
+        if read_so:
+            _store(modules, in_rows=in_rows)
+            median |= timings(linears, 1, read_so)
+    return min(median, key=median.get)
+
+
+def fastest(linears: list[nn.Linear], rows: int, forms: tuple[str, ...]) -> str:
+    """The form of ``forms`` that multiplies ``rows`` rows by every matrix of ``linears`` (one
+    dtype and device, stored as they are) fastest (:func:`timings`). Off the CPU, the first form."""
+    if linears[0].weight.device.type != "cpu":
         return forms[0]
+    median = timings(linears, rows, forms)
+    return min(median, key=median.get)
+
+
+def timings(linears: list[nn.Linear], rows: int, forms: tuple[str, ...], repeats: int = 3) -> dict[str, float]:
+    """``{form: seconds}`` to multiply ``rows`` rows by every matrix of ``linears`` in each form:
+    the median of ``repeats`` passes over them all, the forms interleaved in rotating order,
+    after one untimed pass each (kernels set up, matrices paged in)."""
+    w = linears[0].weight
     inputs = {m.in_features: torch.randn(rows, m.in_features, dtype=w.dtype) for m in linears}  # (rows, in)
     passes = {form: functools.partial(_pass, form, linears, inputs) for form in forms}
     for run in passes.values():
         run()
     times = {form: [] for form in forms}
     _timing.rounds(passes, times, list(forms), repeats)
-    median = _timing.medians(times)
-    return min(forms, key=median.get)
+    return _timing.medians(times)
 
 
 def _pass(form: str, linears: list[nn.Linear], inputs: dict[int, Tensor]) -> None:
     """One product of each matrix of ``linears`` with its rows of ``inputs``, in the form ``form``."""
     for m in linears:
         PRODUCTS[form](m.weight, inputs[m.in_features])
+
+
+def _store(modules: list[nn.Module], *, in_rows: bool) -> None:
+    """Each module's weight stored in (out, in) rows or in the (in, out) order (strides (1, out)),
+    copied only when it is stored otherwise (a model cast since keeps its order: ``.to()``); never
+    an inference tensor, which a forward with gradients could not use."""
+    with torch.inference_mode(False):
+        for m in modules:
+            w = m.weight.data
+            m.weight.data = w.contiguous() if in_rows else w.t().contiguous().t()
+
+
+@functools.cache
+def _dot_failure() -> str | None:
+    """Why the compiled ``dot`` form cannot run here (None when it can): ``torch.compile`` needs
+    a C++ compiler on the CPU."""
+    try:
+        with torch.inference_mode():  # as decoding calls it
+            _compiled_dot_sums()(torch.ones(2, 3), torch.ones(3))
+    except Exception as e:  # whatever stopped the compiler: the form is not a candidate here
+        return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    return None
+
+
+def _check_dot() -> None:
+    why = _dot_failure()
+    if why is not None:
+        raise ValueError(f"one_row='dot' needs torch.compile, which failed here ({why}); name another form "
+                         f"or leave one_row=None to measure")
 
 
 def _check_form(name: str, form, allowed: tuple[str, ...]) -> None:

@@ -356,10 +356,11 @@ class GPT(nn.Module):
     def decode_layout(self, *, one_row: str | None = None, few_rows: str | None = None) -> GPT:
         """Store and multiply the weights as decoding reads them fastest; returns self.
 
-        Shapes, values and ``state_dict`` are unchanged: float32 matrices take the (in, out)
-        memory order, and every ``nn.Linear`` multiplies one row and a few rows by the product
-        forms measured fastest here for its dtype (``torch.mv``, ``F.linear`` or ``W·xᵀ``; or
-        the ones named by ``one_row`` and ``few_rows``: see :mod:`selfattn.decode_layout`).
+        Shapes, values and ``state_dict`` are unchanged: every ``nn.Linear`` multiplies one row
+        and a few rows by the product forms measured fastest here for its dtype (``torch.mv``,
+        ``F.linear``, ``W·xᵀ`` or a compiled dot product per row; or the ones named by ``one_row``
+        and ``few_rows``: see :mod:`selfattn.decode_layout`), the matrices stored in the memory
+        order the one-row form reads.
         Meant for inference: it slows the token-embedding lookups of training.
         """
         return decode_layout(self, one_row=one_row, few_rows=few_rows)

@@ -271,7 +271,8 @@ def test_decode_layout_changes_strides_only():
     assert model.blocks[0].mlp.c_fc.weight.stride() == (1, 128)
 
 
-@pytest.mark.parametrize("forms", [("mv", "linear"), ("linear", "wxt"), ("wxt", "wxt"), (None, None)])
+@pytest.mark.parametrize("forms", [("mv", "linear"), ("linear", "wxt"), ("wxt", "wxt"), ("dot", "linear"),
+                                   ("dot", "wxt"), (None, None)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decode_layout_computes_the_same_whatever_products_it_takes(dtype, forms):
     model = scrambled(small(**VARIANTS["llama-shaped"])).to(dtype)
@@ -285,7 +286,8 @@ def test_decode_layout_computes_the_same_whatever_products_it_takes(dtype, forms
     assert all(m.one_row == (one_row or linears[0].one_row) and m.few_rows == (few_rows or linears[0].few_rows)
                for m in linears)  # one choice per dtype
     w = model.blocks[0].attn.qkv.weight
-    assert w.t().is_contiguous() if dtype == torch.float32 else w.is_contiguous()  # half: (out, in) rows
+    in_rows = dtype != torch.float32 or one_row == "dot"  # the BLAS forms read float32 in (in, out) order
+    assert w.is_contiguous() if in_rows else w.t().is_contiguous()
     tol = 1e-5 if dtype == torch.float32 else 3e-2 * logits.abs().max().item()
     torch.testing.assert_close(model(idx)[0], logits, rtol=0, atol=tol)  # 18 rows: F.linear
     torch.testing.assert_close(model(idx[:1])[0], logits[:1], rtol=0, atol=tol)  # 6 rows: the few-row form
@@ -321,10 +323,45 @@ def test_a_row_linear_takes_its_forms_by_the_number_of_rows(monkeypatch, bias):
         assert calls == called, (shape, calls)
 
 
+def slowed(form):
+    product = decode_layout.PRODUCTS[form]
+    return lambda w, rows: time.sleep(2e-3) or product(w, rows)
+
+
+def test_decode_layout_measures_the_compiled_dot_form_with_the_matrices_in_rows(monkeypatch):
+    model = scrambled(small())
+    matrices = lambda: [m.weight for m in model.modules() if isinstance(m, (nn.Linear, nn.Embedding))]
+    model.decode_layout()  # a small model's matrices stay in the caches: dot is no candidate for them
+    assert model.lm_head.one_row != "dot" and all(w.t().is_contiguous() for w in matrices())
+    monkeypatch.setattr(decode_layout, "DOT_FROM", 0)
+    for form in ("mv", "linear", "wxt"):
+        monkeypatch.setitem(decode_layout.PRODUCTS, form, slowed(form))
+    model.decode_layout()
+    assert model.lm_head.one_row == "dot" and all(w.is_contiguous() for w in matrices())  # rows, embeddings too
+    monkeypatch.setitem(decode_layout.PRODUCTS, "dot", slowed("dot"))
+    monkeypatch.setitem(decode_layout.PRODUCTS, "mv", lambda w, rows: torch.mv(w, rows[0])[None])
+    model.decode_layout()  # control: mv measured fastest, the float32 matrices back in (in, out) order
+    assert model.lm_head.one_row == "mv" and all(w.t().is_contiguous() for w in matrices())
+
+
+def test_without_a_compiler_dot_is_no_candidate_and_naming_it_says_why(monkeypatch):
+    def no_compiler(*args):
+        raise RuntimeError("no C++ compiler found\nmore lines")
+
+    monkeypatch.setattr(decode_layout, "_compiled_dot_sums", lambda: no_compiler)
+    monkeypatch.setattr(decode_layout, "DOT_FROM", 0)
+    decode_layout._dot_failure.cache_clear()
+    try:
+        model = scrambled(small()).decode_layout()
+        assert model.lm_head.one_row in ("mv", "linear", "wxt")
+        with pytest.raises(ValueError, match=re.escape("one_row='dot' needs torch.compile, which failed here "
+                                                       "(RuntimeError: no C++ compiler found)")):
+            model.decode_layout(one_row="dot")
+    finally:
+        decode_layout._dot_failure.cache_clear()
+
+
 def test_decode_layout_measures_the_fastest_form(monkeypatch):
-    def slowed(form):
-        product = decode_layout.PRODUCTS[form]
-        return lambda w, rows: time.sleep(2e-3) or product(w, rows)
 
     model = scrambled(small())
     monkeypatch.setitem(decode_layout.PRODUCTS, "mv", slowed("mv"))
@@ -338,7 +375,7 @@ def test_decode_layout_measures_the_fastest_form(monkeypatch):
     assert (model.lm_head.one_row, model.lm_head.few_rows) == ("linear", "linear")
 
 
-@pytest.mark.parametrize("kw, words", [(dict(one_row="gemv"), "one_row must be one of 'mv', 'linear', 'wxt'"),
+@pytest.mark.parametrize("kw, words", [(dict(one_row="gemv"), "one_row must be one of 'mv', 'linear', 'wxt', 'dot'"),
                                        (dict(few_rows="mv"), "few_rows must be one of 'linear', 'wxt' or None"
                                                              " (measured), got 'mv'")])
 def test_decode_layout_names_a_product_it_does_not_know(kw, words):
