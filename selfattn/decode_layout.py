@@ -154,7 +154,9 @@ def timings(linears: list[nn.Linear], rows: int, forms: tuple[str, ...], repeats
     the median of ``repeats`` passes over them all, the forms interleaved in rotating order,
     after one untimed pass each (kernels set up, matrices paged in)."""
     w = linears[0].weight
-    inputs = {m.in_features: torch.randn(rows, m.in_features, dtype=w.dtype) for m in linears}  # (rows, in)
+    g = torch.Generator().manual_seed(0)  # the global random stream stays the caller's
+    inputs = {m.in_features: torch.randn(rows, m.in_features, dtype=w.dtype, generator=g)
+              for m in linears}  # (rows, in)
     passes = {form: functools.partial(_pass, form, linears, inputs) for form in forms}
     for run in passes.values():
         run()
