@@ -62,7 +62,8 @@ PRODUCTS: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
     "mv": lambda w, rows: torch.mv(w, rows[0])[None],  # one row only
     "linear": lambda w, rows: F.linear(rows, w),
     "wxt": lambda w, rows: torch.mm(w, rows.t()).t().contiguous(),  # W·xᵀ (out, N), transposed back
-    "dot": lambda w, rows: _compiled_dot_sums()(w, rows[0])[None],  # one row only
+    "dot": lambda w, rows: _compiled_dot_sums()(w.view(w.shape), rows[0])[None],  # one row only; the view: a
+    # parameter's shape would be static to torch.compile, a kernel for each shape
 }
 ONE_ROW_FORMS = ("mv", "linear", "wxt", "dot")
 FEW_ROW_FORMS = ("linear", "wxt")  # the forms that take several rows
