@@ -32,6 +32,7 @@ unchanged; the forms round alike up to the order of their sums.
 from __future__ import annotations
 
 import functools
+import types
 from collections.abc import Callable
 
 import torch
@@ -53,8 +54,21 @@ def _dot_sums(w: Tensor, x: Tensor) -> Tensor:
 
 
 @functools.cache
-def _compiled_dot_sums() -> Callable[[Tensor, Tensor], Tensor]:
-    return torch.compile(_dot_sums, dynamic=True)  # one kernel for every matrix shape of a dtype
+def _compiled_dot_sums(in_features: int, dtype: torch.dtype) -> Callable[[Tensor, Tensor], Tensor]:
+    """:func:`_dot_sums` compiled for rows of ``in_features`` of ``dtype`` and any number of rows
+    (the first dim dynamic: one kernel for all of them; a row's length fixed, the loop over it
+    runs 1.5x faster than one for any length: GPT-2's matrices in float32, 19.7 against 29.2 ms).
+    Each is a code object of its own: torch.compile counts its kernels per code object and past
+    8 falls back to the eager product, which writes the whole ``w · x``."""
+    code = _dot_sums.__code__.replace(co_name=f"_dot_sums_{in_features}_{str(dtype).removeprefix('torch.')}")
+    return torch.compile(types.FunctionType(code, _dot_sums.__globals__), dynamic=False)
+
+
+def _dot(w: Tensor, rows: Tensor) -> Tensor:
+    """The ``dot`` form: ``w`` (out, in) times one row ``rows`` (1, in) -> (1, out)."""
+    w = w.view(w.shape)  # not the parameter itself, whose shape torch.compile would keep static
+    torch._dynamo.mark_dynamic(w, 0)
+    return _compiled_dot_sums(w.shape[1], w.dtype)(w, rows[0])[None]
 
 
 # a product form: (weight (out, in), rows (N, in)) -> (N, out)
@@ -62,8 +76,7 @@ PRODUCTS: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
     "mv": lambda w, rows: torch.mv(w, rows[0])[None],  # one row only
     "linear": lambda w, rows: F.linear(rows, w),
     "wxt": lambda w, rows: torch.mm(w, rows.t()).t().contiguous(),  # W·xᵀ (out, N), transposed back
-    "dot": lambda w, rows: _compiled_dot_sums()(w.view(w.shape), rows[0])[None],  # one row only; the view: a
-    # parameter's shape would be static to torch.compile, a kernel for each shape
+    "dot": _dot,  # one row only
 }
 ONE_ROW_FORMS = ("mv", "linear", "wxt", "dot")
 FEW_ROW_FORMS = ("linear", "wxt")  # the forms that take several rows
@@ -188,7 +201,7 @@ def _dot_failure() -> str | None:
     a C++ compiler on the CPU."""
     try:
         with torch.inference_mode():  # as decoding calls it
-            _compiled_dot_sums()(torch.ones(2, 3), torch.ones(3))
+            _dot(torch.ones(2, 3), torch.ones(1, 3))
     except Exception as e:  # whatever stopped the compiler: the form is not a candidate here
         return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
     return None
