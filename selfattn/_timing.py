@@ -17,3 +17,12 @@ def rounds(fns: dict[str, Callable[[], object]], times: dict[str, list[float]], 
 
 def medians(times: dict[str, list[float]]) -> dict[str, float]:
     return {name: sorted(ts)[len(ts) // 2] for name, ts in times.items()}
+
+
+def medians_of(fns: dict[str, Callable[[], object]], reps: int) -> dict[str, float]:
+    """``{name: median seconds}`` of ``reps`` rotated rounds of the calls, after one untimed call each."""
+    for fn in fns.values():
+        fn()  # warm-up: kernels set up, memory paged in
+    times = {name: [] for name in fns}
+    rounds(fns, times, list(fns), reps)
+    return medians(times)

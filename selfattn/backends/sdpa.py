@@ -87,9 +87,5 @@ def one_query_in_float32(dtype: torch.dtype, heads: int, kv_heads: int, head_dim
     calls = {"half": lambda: _sdpa(q, k, v, scale, 0.0),
              "float32": lambda: _sdpa(q.float(), k.float(), v.float(), scale, 0.0).to(dtype)}
     with torch.inference_mode():
-        for call in calls.values():
-            call()  # warm-up
-        times = {name: [] for name in calls}
-        _timing.rounds(calls, times, list(calls), reps)
-    median = _timing.medians(times)
+        median = _timing.medians_of(calls, reps)
     return median["float32"] < median["half"]
