@@ -126,7 +126,10 @@ def decode_layout(model: nn.Module, *, one_row: str | None = None, few_rows: str
     with torch.inference_mode():
         for modules in groups.values():
             linears = [m for m in modules if isinstance(m, RowLinear)]
-            chosen = one_row or (fastest_one_row(modules, linears) if linears else "mv")
+            if not linears:  # embeddings alone in their dtype: stored as mv reads them, nothing to measure
+                _store(modules, in_rows=stored_in_rows("mv", modules[0].weight.dtype))
+                continue
+            chosen = one_row or fastest_one_row(modules, linears)
             _store(modules, in_rows=stored_in_rows(chosen, modules[0].weight.dtype))
             forms = {"one_row": chosen, "few_rows": few_rows or fastest(linears, MEASURED_ROWS, FEW_ROW_FORMS)}
             for module in linears:
@@ -171,12 +174,7 @@ def timings(linears: list[nn.Linear], rows: int, forms: tuple[str, ...], repeats
     g = torch.Generator().manual_seed(0)  # the global random stream stays the caller's
     inputs = {m.in_features: torch.randn(rows, m.in_features, dtype=w.dtype, generator=g)
               for m in linears}  # (rows, in)
-    passes = {form: functools.partial(_pass, form, linears, inputs) for form in forms}
-    for run in passes.values():
-        run()
-    times = {form: [] for form in forms}
-    _timing.rounds(passes, times, list(forms), repeats)
-    return _timing.medians(times)
+    return _timing.medians_of({form: functools.partial(_pass, form, linears, inputs) for form in forms}, repeats)
 
 
 def _pass(form: str, linears: list[nn.Linear], inputs: dict[int, Tensor]) -> None:

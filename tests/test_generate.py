@@ -400,3 +400,11 @@ def test_decode_layout_measures_the_fastest_form(monkeypatch):
 def test_decode_layout_names_a_product_it_does_not_know(kw, words):
     with pytest.raises(ValueError, match=re.escape(words)):
         scrambled(small()).decode_layout(**kw)
+
+
+def test_decode_layout_stores_an_embedding_alone_in_its_dtype_without_measuring():
+    model = scrambled(small())
+    model.wpe.to(torch.bfloat16)  # positions in a dtype no matrix product shares
+    model.decode_layout()
+    assert model.wpe.weight.dtype == torch.bfloat16 and model.wpe.weight.is_contiguous()  # half: rows
+    assert model.lm_head.weight.t().is_contiguous()  # float32 matrices as measured for them
