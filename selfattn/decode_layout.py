@@ -32,7 +32,6 @@ unchanged; the forms round alike up to the order of their sums.
 from __future__ import annotations
 
 import functools
-import types
 from collections.abc import Callable
 
 import torch
@@ -40,6 +39,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from selfattn import _timing
+from selfattn._compiling import compile_own
 
 HALF = (torch.bfloat16, torch.float16)
 FEW = 16  # up to this many rows a RowLinear takes its few-row form; more rows F.linear
@@ -58,14 +58,16 @@ def _compiled_dot_sums(in_features: int, dtype: torch.dtype) -> Callable[[Tensor
     """:func:`_dot_sums` compiled for rows of ``in_features`` of ``dtype`` and any number of rows
     (the first dim dynamic: one kernel for all of them; a row's length fixed, the loop over it
     runs 1.5x faster than one for any length: GPT-2's matrices in float32, 19.7 against 29.2 ms).
-    Each is a code object of its own: torch.compile counts its kernels per code object and past
-    8 falls back to the eager product, which writes the whole ``w · x``."""
-    code = _dot_sums.__code__.replace(co_name=f"_dot_sums_{in_features}_{str(dtype).removeprefix('torch.')}")
-    return torch.compile(types.FunctionType(code, _dot_sums.__globals__), dynamic=False)
+    Each is a code object of its own (:mod:`selfattn._compiling`): past torch.compile's limit of
+    kernels per code object, the eager product would write the whole ``w · x``."""
+    return compile_own(_dot_sums, f"_dot_sums_{in_features}_{str(dtype).removeprefix('torch.')}", dynamic=False)
 
 
 def _dot(w: Tensor, rows: Tensor) -> Tensor:
-    """The ``dot`` form: ``w`` (out, in) times one row ``rows`` (1, in) -> (1, out)."""
+    """The ``dot`` form: ``w`` (out, in) times one row ``rows`` (1, in) -> (1, out). Inside a
+    compiled decode step (:mod:`selfattn.decode_step`) the sums are traced into its graph."""
+    if torch.compiler.is_compiling():
+        return _dot_sums(w, rows[0])[None]
     w = w.view(w.shape)  # not the parameter itself, whose shape torch.compile would keep static
     torch._dynamo.mark_dynamic(w, 0)
     return _compiled_dot_sums(w.shape[1], w.dtype)(w, rows[0])[None]

@@ -37,6 +37,9 @@ class Int8Linear(nn.Module):
         q = torch.round(w.float() / scale[:, None]).clamp(-127, 127).to(torch.int8)
         self.register_buffer("q", q.contiguous())  # (out, in) rows, as the kernel reads them, whatever w's strides
         self.register_buffer("scale", scale)  # float32: cast to the activations' dtype per call
+        # the kernel's scales, cast once: a compiled decode step cannot feed the kernel a cast (a .to() of a model
+        # may change this buffer's dtype: the .to(bfloat16) in forward is then a cast, else nothing)
+        self.register_buffer("kernel_scale", scale.to(torch.bfloat16), persistent=False)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
         self.in_features, self.out_features = linear.in_features, linear.out_features
 
@@ -44,7 +47,8 @@ class Int8Linear(nn.Module):
         rows = x.reshape(-1, self.in_features).contiguous()  # (B·T, in)
         if rows.device.type == "cpu" and rows.shape[0] <= KERNEL_ROWS and rows.dtype in HALF_ENOUGH:
             half = rows.to(torch.bfloat16)  # the kernel's fast input
-            y = torch._weight_int8pack_mm(half, self.q, self.scale.to(torch.bfloat16)).to(rows.dtype)  # (B·T, out)
+            y = torch._weight_int8pack_mm(half, self.q, self.kernel_scale.to(torch.bfloat16))  # (B·T, out)
+            y = y.to(rows.dtype)
         else:
             y = F.linear(rows, self.q.to(rows.dtype) * self.scale.to(rows.dtype)[:, None])
         if self.bias is not None:

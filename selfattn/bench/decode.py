@@ -14,6 +14,8 @@ Implementations, all greedy on the same weights, dtype and threads:
 - ``kv-cache``: our ``GPT.generate``: the prompt prefilled once, then one token per step against
   the preallocated KV cache, on a model prepared as ``docs/gpt.md`` shows
   (``model.eval().decode_layout()``);
+- ``compiled``: the same with each step one compiled graph (``.compile_decode()``, a copy of the
+  model); its untimed first run compiles, and ``first_s`` - ``time_s`` of its row is about that cost;
 - ``hf-sdpa``, ``hf-eager``: ``transformers``' ``generate`` (its own dynamic cache) with its SDPA
   and its eager attention, on a ``transformers`` model holding *our* tensors (GPT-2:
   :func:`selfattn.hf.to_hf`; a family: :func:`selfattn.models.writing.folder_tensors` under the
@@ -69,7 +71,8 @@ from selfattn._validate import positive_ints
 from selfattn.bench import common
 from selfattn.model import GPT, GPTConfig
 
-IMPLS = ("kv-cache", "hf-sdpa", "hf-eager", "no-cache")
+IMPLS = ("kv-cache", "compiled", "hf-sdpa", "hf-eager", "no-cache")
+OURS = ("kv-cache", "compiled")  # our decoding, eager and compiled; the targets take the faster
 HF_IMPLS = {"hf-sdpa": "sdpa", "hf-eager": "eager"}  # impl -> transformers' attn_implementation
 GPT2_MODEL = "gpt2-small-shape"
 DEFAULT_CKPT = str(Path(__file__).resolve().parents[2] / ".cache" / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf")
@@ -231,20 +234,21 @@ def run(settings: Settings, device: torch.device, *, log=print) -> dict:
     rows, checks = [], []
     for dtype in settings.dtypes:
         ours, hf = _in_dtype(ours32, dtype), None
+        compiled = copy.deepcopy(ours).compile_decode()
         if hf32 is not None:
             from selfattn.hf import to_hf
             hf = _no_early_stop(to_hf(ours).eval())
         checks.append(_check(ours, hf, torch.randint(settings.vocab_size, (1, settings.prompts[0]), generator=g)
-                             .to(device), settings, GPT2_MODEL, dtype, ours32))
+                             .to(device), settings, GPT2_MODEL, dtype, ours32, compiled))
         for B in settings.batches:
             for P in settings.prompts:
                 idx = torch.randint(settings.vocab_size, (B, P), generator=g).to(device)  # (B, P)
-                impls = {"kv-cache": ours} | ({"hf-sdpa": hf} if hf is not None else {})
+                impls = {"kv-cache": ours, "compiled": compiled} | ({"hf-sdpa": hf} if hf is not None else {})
                 rows += _time_case(GPT2_MODEL, dtype, ours, impls, idx, settings.new_tokens, settings, device,
                                    peak, log, missing={"hf-sdpa": hf_missing} if hf is None else {})
                 if B == 1 and dtype == settings.dtypes[0]:
                     rows.append(_no_cache_row(ours, idx, settings, device, dtype))
-        del ours, hf
+        del ours, compiled, hf
     ckpt_info = None
     if settings.ckpt is not None:
         ckpt_info, ckpt_rows, ckpt_checks = _ckpt_rows(settings, device, peak, g, log)
@@ -284,7 +288,7 @@ def _ckpt_rows(settings: Settings, device, peak, g, log) -> tuple[dict, list[dic
         return ({"path": str(path), "status": "unavailable", "reason": why},
                 [{"model": name, "impl": impl, "dtype": d, "batch": B, "prompt": P, "new_tokens": N,
                   "status": "unavailable", "reason": why}
-                 for d in settings.dtypes for B in settings.batches for impl in ("kv-cache", *HF_IMPLS)], [])
+                 for d in settings.dtypes for B in settings.batches for impl in (*OURS, *HF_IMPLS)], [])
     base = load(path).model.to(device).eval()
     if base.max_positions is not None and P + N - 1 > base.max_positions:
         raise ValueError(f"{path}: prompt {P} + {N} new tokens exceeds its block_size={base.config.block_size}")
@@ -298,22 +302,24 @@ def _ckpt_rows(settings: Settings, device, peak, g, log) -> tuple[dict, list[dic
     V = base.config.vocab_size
     for dtype in settings.dtypes:
         ours = _in_dtype(base, dtype)
+        compiled = copy.deepcopy(ours).compile_decode()
         hf, why = hf_twin(ours)
         checks.append(_check(ours, hf, torch.randint(V, (1, min(P, 32)), generator=g).to(device), settings, name,
-                             dtype, base))
+                             dtype, base, compiled))
         for B in settings.batches:
             idx = torch.randint(V, (B, P), generator=g).to(device)  # (B, P)
-            impls = {"kv-cache": ours} | (dict.fromkeys(HF_IMPLS, hf) if hf is not None else {})
+            impls = {"kv-cache": ours, "compiled": compiled} | (dict.fromkeys(HF_IMPLS, hf) if hf is not None else {})
             rows += _time_case(name, dtype, ours, impls, idx, N, settings, device, peak, log,
                                missing=dict.fromkeys(HF_IMPLS, why) if hf is None else {})
-        del ours, hf
+        del ours, compiled, hf
     return info, rows, checks
 
 
 @torch.inference_mode()
-def _check(ours: GPT, hf, idx: torch.Tensor, settings: Settings, model: str, dtype: str, reference: GPT) -> dict:
+def _check(ours: GPT, hf, idx: torch.Tensor, settings: Settings, model: str, dtype: str, reference: GPT,
+           compiled: GPT) -> dict:
     """Logits ours vs transformers (full sequence; in low precision each against ``reference``, the
-    float32 model), and cached vs full (teacher forcing)."""
+    float32 model), and cached vs full (teacher forcing), eager and ``compiled`` (its first compile)."""
     P, k, V = idx.shape[1], settings.check_tokens, ours.config.vocab_size
     seq = torch.cat([idx, torch.randint(V, (1, k), device=idx.device)], dim=1)  # (1, P + k)
     full = ours(seq)[0]  # (1, P + k, V)
@@ -326,11 +332,13 @@ def _check(ours: GPT, hf, idx: torch.Tensor, settings: Settings, model: str, dty
         else:  # each rounding against the float32 model, not one against the other
             out["vs_fp32_err"], out["hf_vs_fp32_err"] = common.check_rounding(what, full, hf(seq).logits,
                                                                               reference(seq)[0])
-    cache = ours.new_cache(1, P + k)
-    steps = [ours(seq[:, :P], cache=cache)[0][:, -1]]  # (1, V) after the prompt
-    steps += [ours(seq[:, i:i + 1], cache=cache)[0][:, -1] for i in range(P, P + k - 1)]
-    out["cache_err"] = common.check_close(f"decode: cached step logits vs full-sequence logits ({model}, {dtype}, "
-                                          f"prompt {P})", torch.stack(steps, 1), full[:, P - 1:P + k - 1], tol)
+    for key, step, what in (("cache_err", ours._next_logits, "cached step"),
+                            ("compiled_err", compiled._decode_step, "compiled step")):
+        cache = ours.new_cache(1, P + k)
+        steps = [ours(seq[:, :P], cache=cache)[0][:, -1]]  # (1, V) after the prompt
+        steps += [step(seq[:, i:i + 1], None, cache, i) for i in range(P, P + k - 1)]
+        out[key] = common.check_close(f"decode: {what} logits vs full-sequence logits ({model}, {dtype}, prompt {P})",
+                                      torch.stack(steps, 1), full[:, P - 1:P + k - 1], tol)
     return out
 
 
@@ -375,11 +383,13 @@ def _time_case(model_name: str, dtype: str, ours: GPT, impls: dict, idx: torch.T
                device, peak, log, missing: dict) -> list[dict]:
     """Rows for one (model, dtype, batch, prompt): every implementation timed, interleaved."""
     B, P = idx.shape
-    runs = {name: (lambda m=m: _ours(m, idx, N, device)) if name == "kv-cache" else
+    runs = {name: (lambda m=m: _ours(m, idx, N, device)) if name in OURS else
             (lambda m=m, a=HF_IMPLS[name]: _hf(m, a, idx, N, device)) for name, m in impls.items()}
-    grown, tokens = {}, {}
-    for name, fn in runs.items():  # untimed, full length: the warm-up, and the peak memory
+    grown, tokens, first = {}, {}, {}
+    for name, fn in runs.items():  # untimed, full length: the warm-up (a compile), and the peak memory
+        start = time.perf_counter()
         grown[name], (_, _, tokens[name]) = peak.growth(fn) if peak is not None else (None, fn())
+        first[name] = time.perf_counter() - start
     splits = {name: [] for name in runs}
     times, oom = common.interleaved({name: (lambda name=name: splits[name].append(runs[name]()[:2]))
                                      for name in runs}, device, warmup=0, reps=settings.reps)
@@ -395,7 +405,7 @@ def _time_case(model_name: str, dtype: str, ours: GPT, impls: dict, idx: torch.T
         step = decode / (N - 1)
         row = base | {"status": "ok", "estimated": False, "prefill_s": prefill, "decode_s": decode,
                       "prefills_s": [s[0] for s in splits[name]], "decodes_s": [s[1] for s in splits[name]],
-                      "time_s": common.median(times[name]), "times_s": times[name],
+                      "time_s": common.median(times[name]), "times_s": times[name], "first_s": first[name],
                       "tokens_per_s": B * N / common.median(times[name]), "decode_tokens_per_s": B * (N - 1) / decode,
                       "step_s": step, **roof, "achieved_gbps": roof["bytes_per_step"] / step / 1e9,
                       "greedy_agrees": bool(torch.equal(tokens[name], tokens["kv-cache"]))}
@@ -458,7 +468,10 @@ def targets(result: dict) -> list[dict]:
                 best["decode"] = r
             if r["prefill_s"] < best["prefill"]["prefill_s"]:
                 best["prefill"] = r
-    ours = {_case(r): r for r in rows if r["impl"] == "kv-cache"}
+    ours = {}  # case -> our faster decode row, eager or compiled
+    for r in rows:
+        if r["impl"] in OURS and r["decode_tokens_per_s"] > ours.get(_case(r), {}).get("decode_tokens_per_s", 0.0):
+            ours[_case(r)] = r
     ck = [c for c in ours if c[0] == ckpt and c in hf_best]
     dec = [(ours[c]["decode_tokens_per_s"] / hf_best[c]["decode"]["decode_tokens_per_s"], ours[c]) for c in ck]
     pre = [(hf_best[c]["prefill"]["prefill_s"] / ours[c]["prefill_s"], ours[c]) for c in ck]
@@ -469,8 +482,8 @@ def targets(result: dict) -> list[dict]:
     small = [(x, r) for x, r in dec if r["batch"] == 1]
 
     def listing(pairs, fmt="{:.2f}x"):
-        return ", ".join(f"{fmt.format(x)} ({(r['model'] + ' ') if r['model'] != ckpt else ''}{_label(r)})"
-                         for x, r in pairs)
+        return ", ".join(f"{fmt.format(x)} ({(r['model'] + ' ') if r['model'] != ckpt else ''}{_label(r)}"
+                         f"{' compiled' if r['impl'] == 'compiled' else ''})" for x, r in pairs)
 
     def status(pairs, ok):
         return None if not pairs else all(ok(x) for x, _ in pairs)
@@ -478,7 +491,8 @@ def targets(result: dict) -> list[dict]:
     none = "not measured (no checkpoint rows with transformers in this run)"
     first = result["settings"]["dtypes"][0] if "settings" in result else "float32"
     old = [(by[(c, "kv-cache")]["tokens_per_s"] / by[(c, "hf-sdpa")]["tokens_per_s"], by[(c, "kv-cache")])
-           for c in ours if c[0] == GPT2_MODEL and c[1] == first and c[2] == 1 and (c, "hf-sdpa") in by]
+           for c in ours if c[0] == GPT2_MODEL and c[1] == first and c[2] == 1
+           and {(c, "kv-cache"), (c, "hf-sdpa")} <= by.keys()]
     nc = [(by[(c, "kv-cache")]["tokens_per_s"] / r["tokens_per_s"], r) for r in rows if r["impl"] == "no-cache"
           for c in [_case(r)] if (c, "kv-cache") in by and r["prompt"] + r["new_tokens"] >= 1024]
     return [
@@ -519,7 +533,8 @@ def report(result: dict) -> str:
                                 f"{r['tokens_per_s']:.1f}", f"{r['achieved_gbps']:.3g}",
                                 f"{r['achieved_gbps'] / bw['gbps']:.3g}", *mem,
                                 "" if r["greedy_agrees"] else "greedy tokens differ from ours"])
-    checks = "; ".join(f"{c['model']} {c['dtype']}: cached vs full {c['cache_err']:.1e}"
+    checks = "; ".join(f"{c['model']} {c['dtype']}: cached vs full {c['cache_err']:.1e}, "
+                       f"compiled {c['compiled_err']:.1e}"
                        + (f", ours vs transformers {c['vs_hf_err']:.1e}" if "vs_hf_err" in c else "")
                        + (f", to float32 ours {c['vs_fp32_err']:.1e} transformers {c['hf_vs_fp32_err']:.1e}"
                           if "vs_fp32_err" in c else "")

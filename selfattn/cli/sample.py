@@ -55,6 +55,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(the model's first N layers draft) or draft:PATH (a smaller model, the same vocabulary)")
     p.add_argument("--quantize", choices=["int8"], default=None,
                    help="weight-only int8 (per-channel scales): fewer bytes a token, slightly different numbers")
+    p.add_argument("--compile", action="store_true",
+                   help="decode through one compiled step (torch.compile): about twice the tokens/s of SmolLM2-135M "
+                        "on a CPU, after compiling for seconds (tens of seconds for 135M parameters)")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -75,6 +78,10 @@ def main(args: argparse.Namespace) -> int:
     model = loaded.model.to(device).eval().decode_layout()  # inference only: the order batch-1 decoding reads fastest
     if args.quantize == "int8":
         quantize_int8(model)
+    if args.compile and args.speculative:
+        raise ValueError("--compile serves plain decoding; speculative decoding runs eagerly: pass one of them")
+    if args.compile:
+        model.compile_decode()
     if args.prompt and not ids:
         raise ValueError(f"--prompt {args.prompt!r} encodes to no token with the tokenizer of {loaded.source}")
     if ids == [None]:

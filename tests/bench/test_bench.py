@@ -221,7 +221,7 @@ def test_decode_quick_run_writes_json_and_plot(tmp_path, capsys):
     assert all(r["roofline_fraction"] == r["achieved_gbps"] / bw["gbps"]
                for r in result["results"] if not r["estimated"])
     rows = {(r["impl"], r["dtype"], r["batch"]): r for r in result["results"]}
-    assert set(rows) == {(i, d, b) for i in ("kv-cache", "hf-sdpa") for d in ("float32", "bfloat16")
+    assert set(rows) == {(i, d, b) for i in ("kv-cache", "compiled", "hf-sdpa") for d in ("float32", "bfloat16")
                          for b in (1, 2)} | {("no-cache", "float32", 1)}
     assert all(r["status"] == "ok" and r["model"] == decode.GPT2_MODEL and r["prompt"] == 8
                for r in rows.values())
@@ -235,11 +235,14 @@ def test_decode_quick_run_writes_json_and_plot(tmp_path, capsys):
         assert r["achieved_gbps"] == pytest.approx(r["bytes_per_step"] / (r["decode_s"] / 5) / 1e9)
         assert r["bytes_per_step"] == r["weight_bytes"] + r["kv_bytes_per_step"]
         assert r["peak_bytes"] >= r["weight_bytes"] and r["peak_ratio"] > 0
+        assert r["first_s"] > 0
+    assert all(rows[("compiled", "float32", b)]["greedy_agrees"] for b in (1, 2))  # float32: eager's tokens
     ours = {(d, b): rows[("kv-cache", d, b)] for d in ("float32", "bfloat16") for b in (1, 2)}
     assert ours[("bfloat16", 1)]["weight_bytes"] * 2 == ours[("float32", 1)]["weight_bytes"]  # half the bytes
     assert ours[("float32", 2)]["kv_bytes_per_step"] == 2 * ours[("float32", 1)]["kv_bytes_per_step"]
     checks = {c["dtype"]: c for c in result["checks"]}
     assert checks["float32"]["vs_hf_err"] < 1e-4 and checks["float32"]["cache_err"] < 1e-4
+    assert checks["float32"]["compiled_err"] < 1e-4
     assert 0 < checks["bfloat16"]["vs_fp32_err"] <= 2 * checks["bfloat16"]["hf_vs_fp32_err"] + 0.02
     out = capsys.readouterr().out
     assert "x roof" in out and "streaming bandwidth after the rows, over 16 MiB" in out
@@ -252,7 +255,7 @@ def test_decode_check_fails_loudly_when_the_weights_differ():
     with torch.no_grad():
         hf.transformer.h[0].attn.c_attn.weight[0, 0] += 1.0
     with pytest.raises(common.CorrectnessError, match="our logits vs transformers'"):
-        decode._check(ours, hf, torch.randint(512, (1, 8)), decode.QUICK, "gpt2", "float32", ours)
+        decode._check(ours, hf, torch.randint(512, (1, 8)), decode.QUICK, "gpt2", "float32", ours, ours)
 
 
 def test_a_low_precision_check_measures_both_roundings_against_float32():
@@ -288,14 +291,14 @@ def test_decode_ckpt_rows_time_ours_and_transformers_eager_and_sdpa_on_our_weigh
     assert result["settings"]["ckpt"] == str(tmp_path / "llama") and result["settings"]["dtypes"] == ["float32"]
     assert result["ckpt"]["name"] == "llama" and result["ckpt"]["params"] == model.num_params()
     rows = {(r["impl"], r["batch"]): r for r in result["results"] if r["model"] == "llama"}
-    assert set(rows) == {(i, b) for i in ("kv-cache", "hf-sdpa", "hf-eager") for b in (1, 2)}
+    assert set(rows) == {(i, b) for i in ("kv-cache", "compiled", "hf-sdpa", "hf-eager") for b in (1, 2)}
     for (impl, B), r in rows.items():
         assert r["status"] == "ok" and r["prompt"] == 8 and r["new_tokens"] == 4 and r["dtype"] == "float32"
         assert r["greedy_agrees"]  # identical weights, float32: the same tokens
         assert r["weight_bytes"] == decode.step_bytes(model, B, 9)["weights"]
         assert r["cache_bytes"] == 2 * 2 * B * 2 * 11 * 8 * 4  # 2 layers x (k, v) x B x Hkv x (8 + 4 - 1) x D x 4
     check = next(c for c in result["checks"] if c["model"] == "llama")
-    assert check["vs_hf_err"] < 1e-4 and check["cache_err"] < 1e-4
+    assert check["vs_hf_err"] < 1e-4 and check["cache_err"] < 1e-4 and check["compiled_err"] < 1e-4
     by = {t["target"].split(":")[0]: t for t in result["targets"]}
     assert by["llama"]["status"] in ("PASS", "MISS") and "B=1" in by["llama"]["measured"]
     text = decode.report(result)
@@ -308,7 +311,7 @@ def test_decode_ckpt_rows_say_when_the_file_is_missing(tmp_path):
                                                      memory=False)))
     result = decode.run(s, torch.device("cpu"), log=lambda _: None)
     missing = [r for r in result["results"] if r["model"] == "absent"]
-    assert {r["impl"] for r in missing} == {"kv-cache", "hf-sdpa", "hf-eager"}
+    assert {r["impl"] for r in missing} == {"kv-cache", "compiled", "hf-sdpa", "hf-eager"}
     assert all(r["status"] == "unavailable" and "absent.gguf is missing" in r["reason"] for r in missing)
     assert "unavailable" in decode.report(result)
 
@@ -390,6 +393,15 @@ def test_decode_targets_pass_and_miss_on_the_measured_numbers():
     assert "3.00x (float32 B=1 P=512)" in good[0]["measured"] and "0.90x" in bad[0]["measured"]
     assert "0.50 (float32 B=1 P=512)" in bad[3]["measured"] and "of 20.0 GB/s" in bad[3]["measured"]
     assert [t["status"] for t in decode.targets({"results": [], "bandwidth": {"gbps": 1.0}})] == ["n/a"] * 8
+
+
+def test_decode_targets_take_our_faster_row_eager_or_compiled():
+    result = _decode_result(ours_tps=9.0, hf_tps=10.0, gbps=10.0, peak=1.1, prefill=1.0)
+    assert decode.targets(result)[0]["status"] == "MISS"  # control: the eager rows alone
+    result["results"] += [_decode_row("compiled", "smol", d, B, 512, tps=30.0, prefill=1.0)
+                          for d in ("float32", "bfloat16") for B in (1, 8)]
+    first = decode.targets(result)[0]
+    assert first["status"] == "PASS" and "3.00x (float32 B=1 P=512 compiled)" in first["measured"]
 
 
 def test_decode_report_warns_when_a_batch_1_row_reads_faster_than_the_roofline():

@@ -9,8 +9,11 @@ import torch
 from selfattn import loading, sampling
 from selfattn.cli import main
 from selfattn.cli import sample as sample_cli
+from selfattn.model import GPT
 from selfattn.quantize import quantize_int8
 from selfattn.tokenizers import ByteTokenizer
+
+GPT_compile_decode = GPT.compile_decode
 
 
 @pytest.fixture(scope="module")
@@ -159,6 +162,20 @@ def test_quantize_int8_samples_with_the_int8_model(run, monkeypatch):
     tokenizer = loading.load(run).tokenizer
     tokens = list(sampling.stream(model, tokenizer.encode("The "), 30, temperature=0))
     assert text == "The " + tokenizer.decode(tokens) + "\n"  # what the int8 model writes
+
+
+def test_compile_samples_the_eager_text_across_slides(run, monkeypatch):
+    args = ["--ckpt", str(run), "--prompt", "The ", "--max-new-tokens", "40", "--temperature", "0"]  # block_size 16
+    compiled = []
+    monkeypatch.setattr(GPT, "compile_decode", lambda model: compiled.append(model) or GPT_compile_decode(model))
+    assert _sample(monkeypatch, *args, "--compile").text() == _sample(monkeypatch, *args).text()
+    assert len(compiled) == 1 and compiled[0]._decode_step is not None
+
+
+def test_compile_and_speculative_are_refused_together(run, capsys):
+    assert main(["sample", "--ckpt", str(run), "--compile", "--speculative", "lookup"]) == 2
+    assert capsys.readouterr().err == ("selfattn sample: error: --compile serves plain decoding; speculative decoding "
+                                       "runs eagerly: pass one of them\n")
 
 
 def test_quantize_refuses_an_unknown_kind(run, capsys):

@@ -1,0 +1,115 @@
+"""GPT.compile_decode: one compiled graph serves every decode step, with eager decoding's tokens."""
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from selfattn import decode_step
+from selfattn.model import GPT
+from selfattn.quantize import quantize_int8
+from selfattn.sampling import next_token
+from tests.helpers.models import assert_same_logits, left_pad, scrambled, small
+
+LLAMA = {"pos": "rope", "norm": "rmsnorm", "mlp_kind": "swiglu", "intermediate_size": 48, "head_dim": 16,
+         "n_kv_head": 2, "qkv_bias": True, "tie_embeddings": False, "block_size": 64}
+GPT2 = {"bias": True, "block_size": 64}
+
+
+def twins(seed: int = 0, **config) -> tuple[GPT, GPT]:
+    """(eager, compiled): one model's weights, decode_layout'ed, the second decoding compiled."""
+    torch.manual_seed(seed)
+    eager = scrambled(small(**config)).decode_layout()
+    compiled = scrambled(small(**config)).decode_layout()
+    compiled.load_state_dict(eager.state_dict())
+    return eager, compiled.compile_decode()
+
+
+def graphs() -> int:
+    return counters["stats"]["unique_graphs"]
+
+
+@pytest.mark.parametrize("config", [GPT2, LLAMA], ids=["gpt2", "llama"])
+def test_compiled_steps_give_eager_logits_and_tokens(config):
+    eager, compiled = twins(**config)
+    idx = torch.randint(61, (2, 7), generator=torch.Generator().manual_seed(1))  # (B, T)
+    caches = eager.new_cache(2, 20), compiled.new_cache(2, 20)
+    with torch.inference_mode():
+        tok = idx
+        for past in (0, 7, 8, 9, 10):
+            logits = [m._hidden(tok, None, c, 0) for m, c in zip((eager, compiled), caches)] if past == 0 else \
+                [eager._next_logits(tok, None, caches[0], past), compiled._decode_step(tok, None, caches[1], past)]
+            if past == 0:
+                logits = [compiled._logits(h[:, -1]) for h in logits]
+            assert_same_logits(logits[1], logits[0])
+            tok = logits[0].argmax(-1, keepdim=True)  # (B, 1)
+    for sample in ({"temperature": 0.0}, {"temperature": 0.9, "top_k": 20}):
+        runs = [torch.stack(list(m.generate(idx, 12, generator=torch.Generator().manual_seed(2), **sample)), 1)
+                for m in (eager, compiled)]
+        assert torch.equal(runs[1], runs[0])
+
+
+def test_one_graph_serves_every_step_and_every_generation():
+    eager, compiled = twins(**LLAMA)
+    before = graphs()
+    for B, T, n in ((1, 5, 9), (1, 11, 20), (1, 3, 40)):  # other prompts, other cache sizes
+        idx = torch.randint(61, (B, T), generator=torch.Generator().manual_seed(T))
+        assert torch.equal(torch.stack(list(compiled.generate(idx, n, temperature=0.0))),
+                           torch.stack(list(eager.generate(idx, n, temperature=0.0))))
+    assert graphs() - before == 1
+
+
+def test_without_the_dynamic_sizes_every_length_compiles_again(monkeypatch):
+    """The control: the automatic rule compiles a graph for the first position, then more."""
+    monkeypatch.setattr(decode_step, "DYNAMIC", "")
+    _, compiled = twins(seed=3, **LLAMA)
+    before = graphs()
+    for T, n in ((5, 9), (11, 20)):
+        list(compiled.generate(torch.randint(61, (1, T)), n, temperature=0.0))
+    assert graphs() - before >= 3
+
+
+def test_padded_rows_and_eos_decode_as_eager():
+    eager, compiled = twins(seed=4, **GPT2)
+    idx, mask = left_pad([torch.randint(61, (n,), generator=torch.Generator().manual_seed(n)) for n in (3, 8, 5)])
+    eos = int(torch.stack(list(eager.generate(idx, 6, temperature=0.0, attention_mask=mask)))[2, 0])
+    runs = [torch.stack(list(m.generate(idx, 15, temperature=0.0, attention_mask=mask, eos_token=eos)))
+            for m in (eager, compiled)]
+    assert torch.equal(runs[1], runs[0]) and (runs[0] == eos).any()
+
+
+def test_int8_weights_decode_compiled():
+    eager, compiled = twins(seed=5, **LLAMA)
+    quantize_int8(eager), quantize_int8(compiled)
+    compiled.compile_decode()  # the int8 products compile too (the kernel's scales are a buffer)
+    idx = torch.randint(61, (1, 6), generator=torch.Generator().manual_seed(5))
+    assert torch.equal(torch.stack(list(compiled.generate(idx, 12, temperature=0.0))),
+                       torch.stack(list(eager.generate(idx, 12, temperature=0.0))))
+
+
+def test_bfloat16_compiled_rounds_no_worse_than_eager():
+    """Half precision: the fused graph rounds less often, so it is held to eager's distance from
+    the float32 model, not to eager's numbers."""
+    torch.manual_seed(6)
+    reference = scrambled(small(**LLAMA))
+    eager = GPT(reference.config).eval()
+    eager.load_state_dict(reference.state_dict())
+    eager = eager.to(torch.bfloat16).decode_layout()
+    compiled = GPT(reference.config).eval()
+    compiled.load_state_dict(reference.state_dict())
+    compiled = compiled.to(torch.bfloat16).decode_layout().compile_decode()
+    seq = torch.randint(61, (1, 12), generator=torch.Generator().manual_seed(6))
+    with torch.inference_mode():
+        exact = reference(seq)[0][:, 6:11]  # (1, 5, V) the float32 logits of positions 6..10
+        out = {}
+        for name, model in (("eager", eager), ("compiled", compiled)):
+            cache = model.new_cache(1, 13)
+            model._hidden(seq[:, :6], None, cache, 0)
+            step = model._decode_step or model._next_logits
+            out[name] = torch.stack([step(seq[:, p:p + 1], None, cache, p) for p in range(6, 11)], 1).float()
+    err = {name: (logits - exact).abs().max().item() for name, logits in out.items()}
+    assert err["compiled"] <= 2 * err["eager"] + 0.02 * exact.abs().max().item(), err
+    assert next_token(out["compiled"][:, -1], temperature=0.0).shape == (1,)
+
+
+def test_a_sliding_window_layer_is_refused():
+    with pytest.raises(ValueError, match="layer 0 slides over a window of 4 keys"):
+        GPT(small(window=4)).compile_decode()
