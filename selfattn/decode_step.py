@@ -4,7 +4,9 @@ An eager decode step runs a model's operations one by one from Python: for SmolL
 layers, about 1500 operations a token) that launching took most of the step. On a 2-core AMD
 EPYC, batch 1, prompt 16, float32: 44 ms a token eager, of which the weight products took
 about 20; with the step compiled 19 ms (bfloat16: 14). ``torch.compile`` of the whole step
-(the embedding, every block, the head) makes it one graph of fused loops.
+(the embedding, every block, the head) makes it one graph of fused loops. It pays at batch 1;
+a batch of 8 rows in bfloat16 was faster eager there (``docs/benchmarks.md``), where the BLAS
+form ``decode_layout`` measured beats the graph's products.
 
 One graph for every step and every generation. A step's shapes change with the number of
 cached positions: the position ``past``, each cache's live ``length`` and the keys it returns,
@@ -27,28 +29,25 @@ from __future__ import annotations
 import itertools
 import warnings
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from selfattn._compiling import compile_own
 from selfattn.kv_cache import KVCache
-
-if TYPE_CHECKING:
-    from selfattn.model import GPT
 
 # the step's arguments whose sizes change with the cached positions, as torch.compile names them
 DYNAMIC = ",".join((r"L\['past'\]", r"L\['mask'\]:1", r"L\['cache'\]\[\d+\]\.length", r"L\['cache'\]\[\d+\]\.[kv]:2"))
 _models = itertools.count()  # numbers the models' compiled steps
 
 
-def _step(model: GPT, idx: Tensor, mask: Tensor | None, cache: Sequence[KVCache], past: int) -> Tensor:
-    """The function compiled: ``model``'s decode step, logits ``(B, V)`` (``GPT._next_logits``)."""
+def _step(model: nn.Module, idx: Tensor, mask: Tensor | None, cache: Sequence[KVCache], past: int) -> Tensor:
+    """The function compiled: logits ``(B, V)``, ``GPT._next_logits`` of ``model`` (a GPT: this
+    module is imported by the model's, so it names the class only here)."""
     return model._next_logits(idx, mask, cache, past)
 
 
-def unsupported(model: GPT) -> str | None:
+def unsupported(model: nn.Module) -> str | None:
     """Why ``model``'s decoding cannot be compiled (None when it can)."""
     windowed = [i for i, block in enumerate(model.blocks) if block.attn.window is not None]
     if windowed:
@@ -57,7 +56,7 @@ def unsupported(model: GPT) -> str | None:
     return None
 
 
-def compiled(model: GPT) -> Callable[[Tensor, Tensor | None, Sequence[KVCache], int], Tensor]:
+def compiled(model: nn.Module) -> Callable[[Tensor, Tensor | None, Sequence[KVCache], int], Tensor]:
     """``step(idx, mask, cache, past) -> logits (B, V)``: :func:`_step` compiled for ``model``."""
     why = unsupported(model)
     if why is not None:

@@ -54,6 +54,15 @@ def test_the_gpt_examples(capsys):
     assert scope["out"].shape == (2, 10)
 
 
+def test_the_compiled_decoding_example():
+    scope = {"torch": torch}
+    exec(_block("from selfattn import GPT, GPTConfig\nmodel = GPT("), scope)
+    model, out = scope["model"], scope["out"]
+    assert out.shape == (1, 20) and model._decode_step is not None
+    model._decode_step = None  # the same model, eager: the same tokens
+    assert torch.equal(torch.stack(list(model.generate(scope["idx"], 20, temperature=0)), dim=1), out)
+
+
 def test_the_readme_opens_with_its_two_set_up_commands_and_stays_an_overview():
     first_block = re.search(r"```(\w*)\n(.*?)```", README, flags=re.S)
     assert first_block[1] == "bash" and [line.split()[:2] for line in first_block[2].splitlines()] == [

@@ -78,8 +78,11 @@ sys.meta_path.insert(0, CtrlC())
 
 
 def _python(code: str, *args: str) -> subprocess.CompletedProcess:
+    """``code`` in a fresh process, started as a shell starts a command: Ctrl-C at its default (a
+    child inherits an ignored SIGINT, as the suite's workers had it after tests that compile)."""
     return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+                          env={**os.environ, "OMP_NUM_THREADS": "1"},
+                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 @pytest.mark.parametrize("command", [["train", "--max-steps", "1"], ["check"], ["sample", "--ckpt", "x"]])
