@@ -538,7 +538,7 @@ class GPT(nn.Module):
                     and fills < self.max_positions)  # a slot the compiled step never fills (see decode_step)
         cache = self.new_cache(B, fills + spare)
         finished = None if eos_token is None else torch.zeros(B, dtype=torch.bool, device=idx.device)  # (B,)
-        logits = self._logits(self._hidden(idx, None if mask is None else mask[:, :T], cache, 0)[:, -1])  # (B, V)
+        logits = self._next_logits(idx, None if mask is None else mask[:, :T], cache, 0)  # (B, V) prefill
         for step in range(max_new_tokens):
             tok = next_token(logits, **sample)  # (B,)
             if finished is not None:
@@ -551,8 +551,8 @@ class GPT(nn.Module):
             logits = step_logits(tok[:, None], None if mask is None else mask[:, :S], cache, S - 1)  # (B, V)
 
     def _next_logits(self, idx: Tensor, mask: Tensor | None, cache: Sequence[KVCache], past: int) -> Tensor:
-        """A decode step: logits ``(B, V)`` of the token after ``idx`` ``(B, 1)``, whose ``past``
-        positions are cached (what :meth:`compile_decode` compiles)."""
+        """Logits ``(B, V)`` of the token after ``idx`` ``(B, T)``, whose ``past`` positions are
+        cached: the prefill, and with T = 1 a decode step (what :meth:`compile_decode` compiles)."""
         return self._logits(self._hidden(idx, mask, cache, past)[:, -1])
 
     def _check_idx(self, idx) -> None:

@@ -34,11 +34,9 @@ def test_compiled_steps_give_eager_logits_and_tokens(config):
     caches = eager.new_cache(2, 20), compiled.new_cache(2, 20)
     with torch.inference_mode():
         tok = idx
-        for past in (0, 7, 8, 9, 10):
-            logits = [m._hidden(tok, None, c, 0) for m, c in zip((eager, compiled), caches)] if past == 0 else \
-                [eager._next_logits(tok, None, caches[0], past), compiled._decode_step(tok, None, caches[1], past)]
-            if past == 0:
-                logits = [compiled._logits(h[:, -1]) for h in logits]
+        for past in (0, 7, 8, 9, 10):  # the prompt eagerly, then compiled steps
+            steps = eager._next_logits, compiled._next_logits if past == 0 else compiled._decode_step
+            logits = [step(tok, None, cache, past) for step, cache in zip(steps, caches)]
             assert_same_logits(logits[1], logits[0])
             tok = logits[0].argmax(-1, keepdim=True)  # (B, 1)
     for sample in ({"temperature": 0.0}, {"temperature": 0.9, "top_k": 20}):
