@@ -48,29 +48,52 @@ DOT_FROM = 32 * 2 ** 20  # bytes of a dtype's matrices from which "dot" is measu
 # faster streaming pays for the kernel it compiles at first use (seconds); below, the BLAS forms serve
 
 
-def _dot_sums(w: Tensor, x: Tensor) -> Tensor:
-    """``w`` (out, in) rows times ``x`` (in,): ``(out,)``, each row's products summed in float32."""
-    return (w.float() * x.float()).sum(-1).to(x.dtype)
+def _dot_sums(w: Tensor, rows: Tensor) -> Tensor:
+    """``w`` (out, in) times ``rows`` (N, in): ``(N, out)``, each product's terms summed in
+    float32. The loop runs over the matrix rows outside, the N input rows inside, so the matrix
+    streams from memory once whatever N."""
+    return (w.float()[:, None] * rows.float()[None]).sum(-1).t().contiguous().to(rows.dtype)  # (out, N) -> (N, out)
 
 
 @functools.cache
 def _compiled_dot_sums(in_features: int, dtype: torch.dtype) -> Callable[[Tensor, Tensor], Tensor]:
-    """:func:`_dot_sums` compiled for rows of ``in_features`` of ``dtype`` and any number of rows
-    (the first dim dynamic: one kernel for all of them; a row's length fixed, the loop over it
-    runs 1.5x faster than one for any length: GPT-2's matrices in float32, 19.7 against 29.2 ms).
-    Each is a code object of its own (:mod:`selfattn._compiling`): past torch.compile's limit of
-    kernels per code object, the eager product would write the whole ``w · x``."""
+    """:func:`_dot_sums` compiled for matrix rows of ``in_features`` of ``dtype``, any number of
+    them and of input rows (both dims dynamic: a kernel for one input row, one for several; a
+    row's length fixed, the loop over it runs 1.5x faster than one for any length: GPT-2's
+    matrices in float32, 19.7 against 29.2 ms). Each is a code object of its own
+    (:mod:`selfattn._compiling`): past torch.compile's limit of kernels per code object, the eager
+    product would write the whole ``w · x``."""
     return compile_own(_dot_sums, f"_dot_sums_{in_features}_{str(dtype).removeprefix('torch.')}", dynamic=False)
 
 
 def _dot(w: Tensor, rows: Tensor) -> Tensor:
-    """The ``dot`` form: ``w`` (out, in) times one row ``rows`` (1, in) -> (1, out). Inside a
-    compiled decode step (:mod:`selfattn.decode_step`) the sums are traced into its graph."""
+    """The ``dot`` form: ``w`` (out, in) times ``rows`` (N, in) -> (N, out). Inside a compiled
+    decode step (:mod:`selfattn.decode_step`) the sums of one row are traced into its graph;
+    several rows call the kernel of their own (:func:`dot_rows`), which the graph would otherwise
+    turn into a matrix product."""
     if torch.compiler.is_compiling():
-        return _dot_sums(w, rows[0])[None]
+        return _dot_sums(w, rows) if rows.shape[0] == 1 else dot_rows(w, rows)
+    return _dot_kernel(w, rows)
+
+
+@torch.library.custom_op("selfattn::dot_rows", mutates_args=())
+def dot_rows(w: Tensor, rows: Tensor) -> Tensor:
+    """:func:`_dot` of several rows as an operator a compiled graph calls as it is."""
+    return _dot_kernel(w, rows)
+
+
+@dot_rows.register_fake
+def _(w: Tensor, rows: Tensor) -> Tensor:
+    return rows.new_empty(rows.shape[0], w.shape[0])
+
+
+def _dot_kernel(w: Tensor, rows: Tensor) -> Tensor:
     w = w.view(w.shape)  # not the parameter itself, whose shape torch.compile would keep static
     torch._dynamo.mark_dynamic(w, 0)
-    return _compiled_dot_sums(w.shape[1], w.dtype)(w, rows[0])[None]
+    if rows.shape[0] > 1:  # one row has a kernel of its own (torch.compile specialises a size of 1)
+        rows = rows.view(rows.shape)
+        torch._dynamo.mark_dynamic(rows, 0)
+    return _compiled_dot_sums(w.shape[1], w.dtype)(w, rows)
 
 
 # a product form: (weight (out, in), rows (N, in)) -> (N, out)
@@ -78,10 +101,10 @@ PRODUCTS: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
     "mv": lambda w, rows: torch.mv(w, rows[0])[None],  # one row only
     "linear": lambda w, rows: F.linear(rows, w),
     "wxt": lambda w, rows: torch.mm(w, rows.t()).t().contiguous(),  # W·xᵀ (out, N), transposed back
-    "dot": _dot,  # one row only
+    "dot": _dot,
 }
 ONE_ROW_FORMS = ("mv", "linear", "wxt", "dot")
-FEW_ROW_FORMS = ("linear", "wxt")  # the forms that take several rows
+FEW_ROW_FORMS = ("linear", "wxt", "dot")  # the forms that take several rows; dot where one row takes it
 
 
 def stored_in_rows(form: str, dtype: torch.dtype) -> bool:
@@ -117,7 +140,7 @@ def decode_layout(model: nn.Module, *, one_row: str | None = None, few_rows: str
     another dtype (``.to()`` keeps each matrix's order)."""
     _check_form("one_row", one_row, ONE_ROW_FORMS)
     _check_form("few_rows", few_rows, FEW_ROW_FORMS)
-    if one_row == "dot":
+    if "dot" in (one_row, few_rows):
         _check_dot()
     groups: dict[tuple, list[nn.Module]] = {}  # (dtype, device) -> its matrices' modules
     for module in model.modules():
@@ -133,7 +156,8 @@ def decode_layout(model: nn.Module, *, one_row: str | None = None, few_rows: str
                 continue
             chosen = one_row or fastest_one_row(modules, linears)
             _store(modules, in_rows=stored_in_rows(chosen, modules[0].weight.dtype))
-            forms = {"one_row": chosen, "few_rows": few_rows or fastest(linears, MEASURED_ROWS, FEW_ROW_FORMS)}
+            few = FEW_ROW_FORMS if chosen == "dot" else FEW_ROW_FORMS[:-1]  # dot reads the rows one-row dot stores
+            forms = {"one_row": chosen, "few_rows": few_rows or fastest(linears, MEASURED_ROWS, few)}
             for module in linears:
                 module.one_row, module.few_rows = forms["one_row"], forms["few_rows"]
     return model

@@ -1,4 +1,5 @@
-"""One decode step compiled whole, for :meth:`GPT.compile_decode`.
+"""Decoding compiled, for :meth:`GPT.compile_decode`: one graph per decode step, and the
+forwards of speculative decoding.
 
 An eager decode step runs a model's operations one by one from Python: for SmolLM2-135M (30
 layers, about 1500 operations a token) that launching took most of the step. On a 2-core AMD
@@ -19,17 +20,24 @@ then a fixed cache size, then the step that fills the cache, whose keys are the 
 That last one still costs a graph of its own, so :meth:`GPT.generate` gives a compiled model's
 caches one slot more than the generation fills.
 
-Each model compiles its own copy of the step (:func:`selfattn._compiling.compile_own`): the
-graphs are kept per code object. Compiling takes seconds for a small model and tens of seconds
+Speculative decoding (:mod:`selfattn.speculative`) feeds a varying number of tokens at once
+through a range of blocks: all of them (a verification), the first N (self-speculation's
+drafts) or the rest (its verification). :meth:`CompiledDecode.hidden` compiles ``GPT._hidden``
+once per range of blocks, the number of tokens dynamic too: a graph for one token and one for
+2 to 16 (``decode_layout``'s few-row products, past which a third serves).
+
+Each model compiles its own copies (:func:`selfattn._compiling.compile_own`): the graphs are
+kept per code object. Compiling takes seconds for a small model and tens of seconds
 for SmolLM2 (once per model, dtype and batch size in a process; torch.compile's cache on disk
 shortens it in later processes), so it is opt-in. A model with a sliding-window layer is refused:
 its rolling cache picks the slots it keeps by value, which the graph cannot follow.
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -37,15 +45,22 @@ from torch import Tensor, nn
 from selfattn._compiling import compile_own
 from selfattn.kv_cache import KVCache
 
-# the step's arguments whose sizes change with the cached positions, as torch.compile names them
-DYNAMIC = ",".join((r"L\['past'\]", r"L\['mask'\]:1", r"L\['cache'\]\[\d+\]\.length", r"L\['cache'\]\[\d+\]\.[kv]:2"))
-_models = itertools.count()  # numbers the models' compiled steps
+# the arguments whose sizes change with the cached positions and the tokens fed, as torch.compile names them
+DYNAMIC = ",".join((r"L\['past'\]", r"L\['idx'\]:1", r"L\['x'\]:1", r"L\['mask'\]:1",
+                    r"L\['cache'\]\[\d+\]\.length", r"L\['cache'\]\[\d+\]\.[kv]:2"))
+_models = itertools.count()  # numbers the models' compiled functions
 
 
 def _step(model: nn.Module, idx: Tensor, mask: Tensor | None, cache: Sequence[KVCache], past: int) -> Tensor:
-    """The function compiled: logits ``(B, V)``, ``GPT._next_logits`` of ``model`` (a GPT: this
+    """The step compiled: logits ``(B, V)``, ``GPT._next_logits`` of ``model`` (a GPT: this
     module is imported by the model's, so it names the class only here)."""
     return model._next_logits(idx, mask, cache, past)
+
+
+def _run(model: nn.Module, idx: Tensor | None, mask: Tensor | None, cache: Sequence[KVCache], past: int,
+         start: int, stop: int | None, x: Tensor | None) -> Tensor:
+    """The forward compiled for speculative decoding: ``GPT._hidden`` of ``model``, ``(B, T, C)``."""
+    return model._hidden(idx, mask, cache, past, start=start, stop=stop, x=x)
 
 
 def unsupported(model: nn.Module) -> str | None:
@@ -57,17 +72,37 @@ def unsupported(model: nn.Module) -> str | None:
     return None
 
 
-def compiled(model: nn.Module) -> Callable[[Tensor, Tensor | None, Sequence[KVCache], int], Tensor]:
-    """``step(idx, mask, cache, past) -> logits (B, V)``: :func:`_step` compiled for ``model``."""
-    why = unsupported(model)
-    if why is not None:
-        raise ValueError(f"compile_decode: {why}; decode this model without it")
-    fn = compile_own(_step, f"decode_step_{next(_models)}")
+class CompiledDecode:
+    """A model's decoding compiled: :meth:`step`, one token's next logits, and :meth:`hidden`,
+    tokens through a range of its blocks (speculative decoding's drafts and verifications)."""
 
-    def step(idx: Tensor, mask: Tensor | None, cache: Sequence[KVCache], past: int) -> Tensor:
-        with torch.compiler.config.patch(dynamic_sources=DYNAMIC), warnings.catch_warnings():
-            # RoPE's frequency tables are cached per rule eagerly; traced, they are a few ops of the graph
-            warnings.filterwarnings("ignore", message="Dynamo detected a call to a `functools.lru_cache`")
-            return fn(model, idx, mask, cache, past)
+    def __init__(self, model: nn.Module):
+        why = unsupported(model)
+        if why is not None:
+            raise ValueError(f"compile_decode: {why}; decode this model without it")
+        self.model, self.number, self.runs = model, next(_models), {}
+        self._step = compile_own(_step, f"decode_step_{self.number}")
 
-    return step
+    def step(self, idx: Tensor, mask: Tensor | None, cache: Sequence[KVCache], past: int) -> Tensor:
+        """Logits ``(B, V)`` after ``idx`` ``(B, 1)`` (``GPT._next_logits``), compiled."""
+        with _compiling():
+            return self._step(self.model, idx, mask, cache, past)
+
+    def hidden(self, idx: Tensor | None, mask: Tensor | None, cache: Sequence[KVCache], past: int, *,
+               start: int = 0, stop: int | None = None, x: Tensor | None = None) -> Tensor:
+        """``GPT._hidden`` of blocks ``start .. stop - 1``, ``(B, T, C)``, compiled: one function
+        per range of blocks, so that each has torch.compile's recompile limit to itself."""
+        run = self.runs.get((start, stop))
+        if run is None:
+            run = self.runs[start, stop] = compile_own(_run, f"decode_run_{self.number}_{start}_{stop}")
+        with _compiling():
+            return run(self.model, idx, mask, cache, past, start, stop, x)
+
+
+@contextlib.contextmanager
+def _compiling() -> Iterator[None]:
+    """Where a compiled function is called: the sizes of :data:`DYNAMIC` declared dynamic."""
+    with torch.compiler.config.patch(dynamic_sources=DYNAMIC), warnings.catch_warnings():
+        # RoPE's frequency tables are cached per rule eagerly; traced, they are a few ops of the graph
+        warnings.filterwarnings("ignore", message="Dynamo detected a call to a `functools.lru_cache`")
+        yield

@@ -313,7 +313,7 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.lm_head.weight = self.wte.weight  # tied: one (V, C) matrix embeds and un-embeds
-        self._decode_step = None  # set by compile_decode
+        self._compiled = None  # a decode_step.CompiledDecode, set by compile_decode
         self._init_weights()
 
     @torch.no_grad()
@@ -369,12 +369,13 @@ class GPT(nn.Module):
     def compile_decode(self) -> GPT:
         """Let :meth:`generate` run each decoded token through one compiled step
         (:mod:`selfattn.decode_step`): the embedding, every block and the head in one
-        ``torch.compile`` graph, which serves every later step and generation. The first
-        generation compiles it (seconds; tens of seconds for a 135M model). The same tokens as
+        ``torch.compile`` graph, which serves every later step and generation; speculative
+        decoding's drafts and verifications run through compiled graphs of their own. The first
+        generation compiles them (seconds; tens of seconds for a 135M model). The same tokens as
         eager decoding in float32; in half precision the fused graph rounds less often, so a
-        near-tie may break the other way. Speculative decoding stays eager. A ValueError for a
-        model with a sliding-window layer. Returns the model."""
-        self._decode_step = decode_step.compiled(self)
+        near-tie may break the other way. A ValueError for a model with a sliding-window layer.
+        Returns the model."""
+        self._compiled = decode_step.CompiledDecode(self)
         return self
 
     @property
@@ -532,11 +533,8 @@ class GPT(nn.Module):
         if max_new_tokens == 0:
             return
         B, T = idx.shape
-        step_logits = self._decode_step or self._next_logits
-        fills = T + max_new_tokens - 1  # positions cached by the last step
-        spare = int(self._decode_step is not None and self.max_positions is not None
-                    and fills < self.max_positions)  # a slot the compiled step never fills (see decode_step)
-        cache = self.new_cache(B, fills + spare)
+        step_logits = self._next_logits if self._compiled is None else self._compiled.step
+        cache = self._decode_cache(B, T + max_new_tokens - 1)
         finished = None if eos_token is None else torch.zeros(B, dtype=torch.bool, device=idx.device)  # (B,)
         logits = self._next_logits(idx, None if mask is None else mask[:, :T], cache, 0)  # (B, V) prefill
         for step in range(max_new_tokens):
@@ -549,6 +547,12 @@ class GPT(nn.Module):
                 return
             S = T + step + 1  # positions after feeding this token
             logits = step_logits(tok[:, None], None if mask is None else mask[:, :S], cache, S - 1)  # (B, V)
+
+    def _decode_cache(self, batch_size: int, fills: int, rollback: int = 0) -> list[KVCache | RollingKVCache]:
+        """The caches of a generation whose last step caches ``fills`` positions; a compiled
+        model's get a slot more, which its graphs never fill (see :mod:`selfattn.decode_step`)."""
+        spare = int(self._compiled is not None and self.max_positions is not None and fills < self.max_positions)
+        return self.new_cache(batch_size, fills + spare, rollback=rollback)
 
     def _next_logits(self, idx: Tensor, mask: Tensor | None, cache: Sequence[KVCache], past: int) -> Tensor:
         """Logits ``(B, V)`` of the token after ``idx`` ``(B, T)``, whose ``past`` positions are

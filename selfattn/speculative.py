@@ -170,6 +170,11 @@ class _Round:
         return self.tokens.shape[1]
 
 
+def _hidden(model: nn.Module):
+    """``model._hidden``, compiled when :meth:`~selfattn.model.GPT.compile_decode` was called."""
+    return model._hidden if model._compiled is None else model._compiled.hidden
+
+
 def _mask(mask: Tensor | None, S: int) -> Tensor | None:
     return None if mask is None else mask[:, :S]
 
@@ -192,13 +197,22 @@ def _draw(logits: Tensor, sample: dict) -> tuple[Tensor, Tensor | None]:
 
 class _Drafter:
     """What every drafter does: ``draft`` a round, have the model ``verify`` it in one forward
-    (logits ``(B, m, V)``), ``truncate`` whatever cache of its own to the kept positions."""
+    (logits ``(B, m, V)``), ``truncate`` whatever cache of its own to the kept positions. A
+    round that feeds one token (nothing drafted) is a plain decode step, compiled as plain
+    decoding's when the model is (:meth:`~selfattn.model.GPT.compile_decode`)."""
 
     def __init__(self, model: nn.Module):
-        self.model = model
+        self.model, self.hidden = model, _hidden(model)
+        self.step = model._next_logits if model._compiled is None else model._compiled.step
 
     def verify(self, rnd: _Round, cache, mask) -> Tensor:
-        return self.model._logits(self.model._hidden(rnd.tokens, _mask(mask, rnd.L + rnd.m), cache, rnd.L))
+        if rnd.m == 1:
+            return self.step(rnd.tokens, _mask(mask, rnd.L + 1), cache, rnd.L)[:, None]  # (B, 1, V)
+        return self.model._logits(self.forward(rnd, cache, mask))
+
+    def forward(self, rnd: _Round, cache, mask) -> Tensor:
+        """The final hidden states ``(B, m, C)`` of a round of several tokens."""
+        return self.hidden(rnd.tokens, _mask(mask, rnd.L + rnd.m), cache, rnd.L)
 
     def truncate(self, length: int) -> None:
         pass
@@ -243,21 +257,21 @@ class _DraftModel(_Drafter):
     def __init__(self, model: nn.Module, draft: nn.Module, batch_size: int, positions: int, rollback: int,
                  stats: SpeculationStats):
         super().__init__(model)
-        self.draft_model, self.stats, self.length = draft, stats, 0
-        self.draft_cache = draft.new_cache(batch_size, positions, rollback=rollback)
+        self.draft_model, self.draft_hidden, self.stats, self.length = draft, _hidden(draft), stats, 0
+        self.draft_cache = draft._decode_cache(batch_size, positions, rollback=rollback)
 
     def draft(self, seq: Tensor, lens: Tensor, L: int, m: int, start: Tensor, mask, sample) -> _Round:
         tokens, forced = _committed(seq, lens, L, m)
         d, qs = self.draft_model, []
         if m > 1:
             fresh = torch.cat([seq[:, self.length:L], tokens[:, :1]], dim=1)  # (B, L + 1 - length) all committed
-            h = d._hidden(fresh, _mask(mask, L + 1), self.draft_cache, self.length)[:, -1]  # (B, C)
+            h = self.draft_hidden(fresh, _mask(mask, L + 1), self.draft_cache, self.length)[:, -1]  # (B, C)
             for j in range(1, m):
                 tok, q = _draw(d._logits(h), sample)
                 tokens[:, j] = torch.where(forced[:, j], tokens[:, j], tok)
                 qs.append(q)
                 if j + 1 < m:
-                    h = d._hidden(tokens[:, j:j + 1], _mask(mask, L + j + 1), self.draft_cache, L + j)[:, -1]
+                    h = self.draft_hidden(tokens[:, j:j + 1], _mask(mask, L + j + 1), self.draft_cache, L + j)[:, -1]
             self.length = L + m - 1
             self.stats.draft_forwards += m - 1
         q = torch.stack(qs, dim=1) if qs and qs[0] is not None else None  # (B, m - 1, V)
@@ -280,9 +294,11 @@ class _EarlyExit(_Drafter):
 
     def draft(self, seq: Tensor, lens: Tensor, L: int, m: int, start: Tensor, mask, sample) -> _Round:
         tokens, forced = _committed(seq, lens, L, m)
+        if m == 1:  # nothing to draft: verification is a plain step
+            return _Round(L, tokens, forced, ~forced)
         model, hs, qs = self.model, [], []
         for j in range(m):  # every fed token, the last too: verification continues from its stream
-            h = model._hidden(tokens[:, j:j + 1], _mask(mask, L + j + 1), self.cache, L + j, stop=self.layers)
+            h = self.hidden(tokens[:, j:j + 1], _mask(mask, L + j + 1), self.cache, L + j, stop=self.layers)
             hs.append(h)  # (B, 1, C) the residual stream entering block `layers`
             if j + 1 < m:
                 tok, q = _draw(model._logits(model.ln_f(h[:, 0])), sample)
@@ -293,9 +309,8 @@ class _EarlyExit(_Drafter):
         q = torch.stack(qs, dim=1) if qs and qs[0] is not None else None  # (B, m - 1, V)
         return _Round(L, tokens, forced, ~forced, q)
 
-    def verify(self, rnd: _Round, cache, mask) -> Tensor:
-        h = self.model._hidden(None, _mask(mask, rnd.L + rnd.m), cache, rnd.L, start=self.layers, x=self.h)
-        return self.model._logits(h)  # (B, m, V)
+    def forward(self, rnd: _Round, cache, mask) -> Tensor:
+        return self.hidden(None, _mask(mask, rnd.L + rnd.m), cache, rnd.L, start=self.layers, x=self.h)
 
 
 def _verdicts(p_draft: Tensor, q_draft: Tensor, sample: dict) -> Tensor:
@@ -366,7 +381,7 @@ def decode(model: nn.Module, spec: Speculative, idx: Tensor, max_new_tokens: int
         return
     B, T = idx.shape
     end, device, stats = T + max_new_tokens, idx.device, spec.stats
-    cache = model.new_cache(B, end - 1, rollback=spec.max_k)  # the last new token is never fed
+    cache = model._decode_cache(B, end - 1, rollback=spec.max_k)  # the last new token is never fed
     if spec.layers is not None:
         drafter = _EarlyExit(model, spec.layers, cache, stats)
     elif isinstance(spec.method, str):

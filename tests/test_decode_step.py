@@ -1,12 +1,16 @@
-"""GPT.compile_decode: one compiled graph serves every decode step, with eager decoding's tokens."""
+"""GPT.compile_decode: one compiled graph serves every decode step, with eager decoding's tokens;
+speculative decoding compiled drafts and verifies as eagerly."""
+import copy
+
 import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from selfattn import decode_step
+from selfattn import decode_layout, decode_step
 from selfattn.model import GPT
 from selfattn.quantize import quantize_int8
 from selfattn.sampling import next_token
+from selfattn.speculative import Speculative
 from tests.helpers.models import assert_same_logits, left_pad, scrambled, small
 
 LLAMA = {"pos": "rope", "norm": "rmsnorm", "mlp_kind": "swiglu", "intermediate_size": 48, "head_dim": 16,
@@ -35,7 +39,7 @@ def test_compiled_steps_give_eager_logits_and_tokens(config):
     with torch.inference_mode():
         tok = idx
         for past in (0, 7, 8, 9, 10):  # the prompt eagerly, then compiled steps
-            steps = eager._next_logits, compiled._next_logits if past == 0 else compiled._decode_step
+            steps = eager._next_logits, compiled._next_logits if past == 0 else compiled._compiled.step
             logits = [step(tok, None, cache, past) for step, cache in zip(steps, caches)]
             assert_same_logits(logits[1], logits[0])
             tok = logits[0].argmax(-1, keepdim=True)  # (B, 1)
@@ -101,11 +105,52 @@ def test_bfloat16_compiled_rounds_no_worse_than_eager():
         for name, model in (("eager", eager), ("compiled", compiled)):
             cache = model.new_cache(1, 13)
             model._hidden(seq[:, :6], None, cache, 0)
-            step = model._decode_step or model._next_logits
+            step = model._next_logits if model._compiled is None else model._compiled.step
             out[name] = torch.stack([step(seq[:, p:p + 1], None, cache, p) for p in range(6, 11)], 1).float()
     err = {name: (logits - exact).abs().max().item() for name, logits in out.items()}
     assert err["compiled"] <= 2 * err["eager"] + 0.02 * exact.abs().max().item(), err
     assert next_token(out["compiled"][:, -1], temperature=0.0).shape == (1,)
+
+
+@pytest.mark.parametrize("method", ["lookup", "self:1", "draft"])
+def test_speculative_decoding_compiled_gives_the_eager_tokens_and_rounds(method):
+    eager, compiled = twins(seed=7, **LLAMA)
+    if method == "draft":  # a smaller model of the vocabulary, compiled with the compiled model
+        draft = scrambled(small(n_layer=1, n_embd=16, n_head=2, pos="rope")).decode_layout()
+        methods = draft, copy.deepcopy(draft).compile_decode()
+    else:
+        methods = method, method
+    g = torch.Generator().manual_seed(7)
+    idx, mask = left_pad([torch.randint(61, (n,), generator=g).repeat(r) for n, r in ((3, 3), (4, 2))])
+    before = graphs()
+    for sample in ({"temperature": 0.0}, {"temperature": 0.9, "top_k": 20}):
+        specs = [Speculative(m, k=2, max_k=6) for m in methods]
+        runs = [torch.stack(list(model.generate(idx, 16, attention_mask=mask, speculative=spec,
+                                                generator=torch.Generator().manual_seed(8), **sample)), 1)
+                for model, spec in zip((eager, compiled), specs)]
+        assert torch.equal(runs[1], runs[0])
+        assert specs[1].stats == specs[0].stats and specs[0].stats.drafted > 0  # the same rounds
+    assert graphs() > before  # and they ran compiled
+
+
+def test_several_rows_of_the_dot_form_run_their_own_kernel_in_a_compiled_forward(monkeypatch):
+    torch.manual_seed(9)
+    eager = scrambled(small(**LLAMA)).decode_layout(one_row="dot", few_rows="dot")
+    compiled = copy.deepcopy(eager).compile_decode()
+    rows = []
+    kernel = decode_layout._dot_kernel
+    monkeypatch.setattr(decode_layout, "_dot_kernel", lambda w, x: rows.append(len(x)) or kernel(w, x))
+    idx = torch.randint(61, (1, 9), generator=torch.Generator().manual_seed(9))
+    with torch.inference_mode():
+        out = {}
+        for name, model in (("eager", eager), ("compiled", compiled)):
+            cache = model.new_cache(1, 12)
+            model._hidden(idx[:, :5], None, cache, 0)
+            forward = model._hidden if model._compiled is None else model._compiled.hidden
+            rows.clear()
+            out[name] = forward(idx[:, 5:], None, cache, 5)  # (1, 4, C): four rows through every matrix
+            assert rows == [4] * sum(isinstance(m, torch.nn.Linear) for m in model.blocks.modules()), name
+    assert_same_logits(out["compiled"], out["eager"])  # and each ran every matrix through the dot kernel
 
 
 def test_a_sliding_window_layer_is_refused():

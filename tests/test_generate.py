@@ -272,7 +272,7 @@ def test_decode_layout_changes_strides_only():
 
 
 @pytest.mark.parametrize("forms", [("mv", "linear"), ("linear", "wxt"), ("wxt", "wxt"), ("dot", "linear"),
-                                   ("dot", "wxt"), (None, None)])
+                                   ("dot", "wxt"), ("dot", "dot"), (None, None)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decode_layout_computes_the_same_whatever_products_it_takes(dtype, forms):
     model = scrambled(small(**VARIANTS["llama-shaped"])).to(dtype)
@@ -338,10 +338,12 @@ def test_decode_layout_measures_the_compiled_dot_form_with_the_matrices_in_rows(
         monkeypatch.setitem(decode_layout.PRODUCTS, form, slowed(form))
     model.decode_layout()
     assert model.lm_head.one_row == "dot" and all(w.is_contiguous() for w in matrices())  # rows, embeddings too
+    assert model.lm_head.few_rows == "dot"  # the few-row form too: linear and wxt were slowed
     monkeypatch.setitem(decode_layout.PRODUCTS, "dot", slowed("dot"))
     monkeypatch.setitem(decode_layout.PRODUCTS, "mv", lambda w, rows: torch.mv(w, rows[0])[None])
     model.decode_layout()  # control: mv measured fastest, the float32 matrices back in (in, out) order
     assert model.lm_head.one_row == "mv" and all(w.t().is_contiguous() for w in matrices())
+    assert model.lm_head.few_rows != "dot"  # dot reads rows, which only a one-row dot stores
 
 
 def test_dot_compiles_a_kernel_per_row_length_and_dtype_and_passes_gradients():
@@ -352,12 +354,14 @@ def test_dot_compiles_a_kernel_per_row_length_and_dtype_and_passes_gradients():
         for dtype in (torch.float32, torch.bfloat16):
             for shape in shapes:
                 w = nn.Parameter(torch.randn(shape, dtype=dtype))  # a parameter's shape: static unless viewed
-                x = torch.randn(1, shape[1], dtype=dtype)
-                torch.testing.assert_close(decode_layout.PRODUCTS["dot"](w, x), F.linear(x, w),
-                                           rtol=0, atol=1e-5 if dtype == torch.float32 else 3e-2)
+                for rows in (1, 3, 5):
+                    x = torch.randn(rows, shape[1], dtype=dtype)
+                    torch.testing.assert_close(decode_layout.PRODUCTS["dot"](w, x), F.linear(x, w),
+                                               rtol=0, atol=1e-5 if dtype == torch.float32 else 3e-2)
     lengths = len({shape[1] for shape in shapes})
-    assert counters["stats"]["unique_graphs"] - before <= 2 * lengths  # a kernel per row length and dtype, not
-    # one per shape (18; and past 8 of one code object torch.compile falls back to the eager product)
+    assert counters["stats"]["unique_graphs"] - before <= 2 * 2 * lengths  # a kernel per row length and dtype
+    # for one row and one for several, not one per shape (54; and past 8 of one code object torch.compile
+    # falls back to the eager product)
     w, x = nn.Parameter(torch.randn(12, 8)), torch.randn(1, 8)
     decode_layout.PRODUCTS["dot"](w, x).square().sum().backward()
     torch.testing.assert_close(w.grad, torch.autograd.grad(F.linear(x, w).square().sum(), w)[0])
@@ -395,7 +399,7 @@ def test_decode_layout_measures_the_fastest_form(monkeypatch):
 
 
 @pytest.mark.parametrize("kw, words", [(dict(one_row="gemv"), "one_row must be one of 'mv', 'linear', 'wxt', 'dot'"),
-                                       (dict(few_rows="mv"), "few_rows must be one of 'linear', 'wxt' or None"
+                                       (dict(few_rows="mv"), "few_rows must be one of 'linear', 'wxt', 'dot' or None"
                                                              " (measured), got 'mv'")])
 def test_decode_layout_names_a_product_it_does_not_know(kw, words):
     with pytest.raises(ValueError, match=re.escape(words)):

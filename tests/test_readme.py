@@ -58,8 +58,8 @@ def test_the_compiled_decoding_example():
     scope = {"torch": torch}
     exec(_block("from selfattn import GPT, GPTConfig\nmodel = GPT("), scope)
     model, out = scope["model"], scope["out"]
-    assert out.shape == (1, 20) and model._decode_step is not None
-    model._decode_step = None  # the same model, eager: the same tokens
+    assert out.shape == (1, 20) and model._compiled is not None
+    model._compiled = None  # the same model, eager: the same tokens
     assert torch.equal(torch.stack(list(model.generate(scope["idx"], 20, temperature=0)), dim=1), out)
 
 

@@ -55,10 +55,11 @@ the masks tables are in ``docs/benchmarks.md``, an AVX2 run in ``docs/bench/mask
 Measured here first: where this machine has timed requests of the kind (``selfattn bench
 calibrate``, or ``SELFATTN_AUTO_TUNE=1``; :mod:`selfattn.backends.tuning`), the backend it measured
 fastest comes first and the rule above orders the rest; requests nothing measured covers follow the
-rule alone. Each candidate is asked (``unsupported``) before it is chosen; the next one serves when it
-refuses. Compiling backends (``flex``: 0.1-9 s for every new shape on that CPU) can be kept
-out of ``auto`` with :func:`allow_compile` or the environment variable
-``SELFATTN_AUTO_COMPILE=0``.
+rule alone, and so do requests traced by ``torch.compile`` (a compiled decode step's graph holds
+one backend for every size it serves). Each candidate is asked (``unsupported``) before it is
+chosen; the next one serves when it refuses. Compiling backends (``flex``: 0.1-9 s for every new
+shape on that CPU) can be kept out of ``auto`` with :func:`allow_compile` or the environment
+variable ``SELFATTN_AUTO_COMPILE=0``.
 """
 from __future__ import annotations
 
@@ -102,7 +103,7 @@ def candidates(q: Tensor | None, k: Tensor | None, v: Tensor | None, mask: Mask 
         yield "sdpa"  # rule 2, not looked up
         return
     measured = None
-    if not (return_weights or q is None or mask is None or dropout_p > 0.0):
+    if not (return_weights or q is None or mask is None or dropout_p > 0.0 or torch.compiler.is_compiling()):
         grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
         measured = tuning.choice(q, k, v, mask, scores, grad)
         if measured == "flex" and not _compile:

@@ -47,8 +47,9 @@ def run(q: Tensor, k: Tensor, v: Tensor, mask: Mask, *, scale: float, dropout_p:
         scores: Scores | None = None) -> Tensor:
     T, S = q.shape[2], k.shape[2]
     alibi = scores is not None and scores.alibi_slopes is not None
-    is_causal = mask.plain_causal and T > 1 and T == S and not alibi  # T > 1 first: in a compiled decode
-    # step S is symbolic, and T == S a symbolic bool that SDPA's is_causal does not take
+    is_causal = False  # an `if`, not the condition itself: traced by torch.compile, T == S is a symbolic
+    if mask.plain_causal and T > 1 and T == S and not alibi:  # bool, which SDPA's is_causal does not take
+        is_causal = True
     attn_mask, empty = None, None
     if not is_causal and not mask.sees_every_key(T, S):  # a decoded token sees every key: no mask
         attn_mask, empty = dense_mask(mask, T, S, q.device)  # (B or 1, H or 1, T, S) bool

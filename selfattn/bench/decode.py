@@ -333,7 +333,7 @@ def _check(ours: GPT, hf, idx: torch.Tensor, settings: Settings, model: str, dty
             out["vs_fp32_err"], out["hf_vs_fp32_err"] = common.check_rounding(what, full, hf(seq).logits,
                                                                               reference(seq)[0])
     for key, step, what in (("cache_err", ours._next_logits, "cached step"),
-                            ("compiled_err", compiled._decode_step, "compiled step")):
+                            ("compiled_err", compiled._compiled.step, "compiled step")):
         cache = ours.new_cache(1, P + k)
         steps = [ours(seq[:, :P], cache=cache)[0][:, -1]]  # (1, V) after the prompt
         steps += [step(seq[:, i:i + 1], None, cache, i) for i in range(P, P + k - 1)]

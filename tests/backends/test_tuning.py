@@ -94,6 +94,14 @@ def test_a_measured_flex_is_not_followed_when_compiling_is_kept_out(cache):
         auto.allow_compile(True)
 
 
+def test_a_request_traced_by_torch_compile_follows_the_rule(cache, monkeypatch):
+    plain = _request()
+    tuning.record(CPU, [_fake(plain, "tiled")])
+    assert _choose(*plain) == "tiled"  # eagerly, the measurement
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert _choose(*plain) == "sdpa"  # traced, one graph serves every size: the rule
+
+
 def test_the_file_belongs_to_the_machine_and_a_foreign_or_damaged_one_is_ignored_with_one_warning(cache):
     plain = _request()
     tuning.record(CPU, [_fake(plain, "tiled")])

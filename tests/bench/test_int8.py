@@ -19,6 +19,9 @@ def test_quick_run_writes_accuracy_and_speed(tmp_path):
     assert a["windows"] == 2 and a["length"] == 64 and 0.9 < a["top1_agreement"] <= 1.0
     assert abs(math.log(a["perplexity_int8"] / a["perplexity_float"])) < 0.05  # int8 rounds, it does not break
     assert s["int8_speedup"] == pytest.approx(s["float_s_per_token"] / s["int8_s_per_token"])
+    assert s["int8_compiled_speedup"] == pytest.approx(s["float_compiled_s_per_token"] / s["int8_compiled_s_per_token"])
+    assert result["targets"][0]["measured"] == (f"{s['int8_speedup']:.2f}x eager, "
+                                                f"{s['int8_compiled_speedup']:.2f}x compiled")
     assert s["weight_bytes_int8"] < 0.5 * s["weight_bytes_float"]  # the Linears at a quarter; embeddings stay
     assert (tmp_path / "int8.png").stat().st_size > 5_000
     assert result["llama_cpp"] == {"status": "unavailable", "reason": "llama.cpp reads a GGUF file; this run's model "

@@ -6,7 +6,7 @@ import sys
 import pytest
 import torch
 
-from selfattn import loading, sampling
+from selfattn import decode_step, loading, sampling
 from selfattn.cli import main
 from selfattn.cli import sample as sample_cli
 from selfattn.model import GPT
@@ -14,6 +14,7 @@ from selfattn.quantize import quantize_int8
 from selfattn.tokenizers import ByteTokenizer
 
 GPT_compile_decode = GPT.compile_decode
+CompiledDecode_hidden = decode_step.CompiledDecode.hidden
 
 
 @pytest.fixture(scope="module")
@@ -169,13 +170,18 @@ def test_compile_samples_the_eager_text_across_slides(run, monkeypatch):
     compiled = []
     monkeypatch.setattr(GPT, "compile_decode", lambda model: compiled.append(model) or GPT_compile_decode(model))
     assert _sample(monkeypatch, *args, "--compile").text() == _sample(monkeypatch, *args).text()
-    assert len(compiled) == 1 and compiled[0]._decode_step is not None
+    assert len(compiled) == 1 and compiled[0]._compiled is not None
 
 
-def test_compile_and_speculative_are_refused_together(run, capsys):
-    assert main(["sample", "--ckpt", str(run), "--compile", "--speculative", "lookup"]) == 2
-    assert capsys.readouterr().err == ("selfattn sample: error: --compile serves plain decoding; speculative decoding "
-                                       "runs eagerly: pass one of them\n")
+def test_compile_speculates_through_compiled_forwards_with_the_eager_text(run, monkeypatch):
+    args = ["--ckpt", str(run), "--prompt", "The ", "--max-new-tokens", "12", "--temperature", "0"]
+    calls = []
+    monkeypatch.setattr(decode_step.CompiledDecode, "hidden",
+                        lambda self, *a, **kw: calls.append(a) or CompiledDecode_hidden(self, *a, **kw))
+    for how in ("lookup", f"draft:{run}"):
+        speculated = _sample(monkeypatch, *args, "--speculative", how, "--compile").text()
+        assert speculated == _sample(monkeypatch, *args).text() and calls
+        calls.clear()
 
 
 def test_quantize_refuses_an_unknown_kind(run, capsys):
