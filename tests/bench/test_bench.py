@@ -270,6 +270,17 @@ def test_a_low_precision_check_measures_both_roundings_against_float32():
         common.check_rounding("wrong", exact + 0.2 * exact.abs().max(), theirs, exact)  # control: 20% off
 
 
+def test_one_position_far_off_in_either_rounding_is_not_a_failure_but_every_position_off_is():
+    torch.manual_seed(1)
+    exact = torch.randn(1, 48, 64) * 5  # (B, T, V)
+    ours, theirs = exact.bfloat16(), exact.bfloat16()
+    ours[0, 1] += 0.5 * exact.abs().max()  # a massive activation's position, rounded unluckily
+    err, ref = common.check_rounding("one position", ours, theirs, exact)
+    assert err > ref and err <= 2 * ref + 0.02
+    with pytest.raises(common.CorrectnessError):
+        common.check_rounding("every position", exact + 0.05 * exact.abs().max(), theirs, exact)  # control
+
+
 def _tiny_llama_folder(path):
     from selfattn import export
     from selfattn.models import writing
