@@ -22,10 +22,10 @@ too (a speculative verification), the matrix rows in the outer loop and the inpu
 so that the matrix streams once: for SmolLM2's matrix shapes in float32 on the EPYC, 2, 4, 8 and
 16 rows took 14.3, 18.7, 31.6 and 68.4 ms against ``F.linear``'s 45.0, 48.8, 44.6 and 59.4 (one
 run, random matrices in rows); it is a few-row candidate where one row takes ``dot``, whose
-order it reads. The fastest form differs between dtypes and machines, so :func:`decode_layout` measures the forms on the model's
-own matrices, for one row and for :data:`MEASURED_ROWS` rows, and every ``nn.Linear`` becomes a
-:class:`RowLinear`, which multiplies one row and up to :data:`FEW` rows by the chosen forms and
-more (a prompt) by ``F.linear``.
+order it reads. The fastest form differs between dtypes and machines, so :func:`decode_layout`
+measures the forms on the model's own matrices, for one row and for :data:`MEASURED_ROWS` rows,
+and every ``nn.Linear`` becomes a :class:`RowLinear`, which multiplies one row and up to
+:data:`FEW` rows by the chosen forms and more (a prompt) by ``F.linear``.
 
 Storage order. The BLAS forms read float32 matrices in the (in, out) order (GPT-2's Conv1D;
 GPT-2 small decoded about 1.3x faster than in ``nn.Linear``'s (out, in) order) and half-precision
