@@ -3,9 +3,13 @@ one forward through its KV cache and keeps those it would have produced itself.
 
 Drafters (:class:`Speculative`'s ``method``, :meth:`~selfattn.model.GPT.generate`'s ``speculative``):
 
-- ``"lookup"``: prompt lookup (``transformers``' ``prompt_lookup_num_tokens``): the last n-gram
-  of the text so far (n = ``ngram`` down to 1) is looked up in the prompt and the text generated
-  so far; the tokens that followed its first occurrence are the draft. No second model.
+- ``"lookup"``: prompt lookup (``transformers``' ``prompt_lookup_num_tokens``): the place in the
+  prompt and the text generated so far whose last tokens agree longest with the text's last ones
+  (a run of at least ``ngram`` tokens) is found; the tokens that followed it are the draft, as
+  many as the run is long: a copy that has held for long is likely to hold on (on SmolLM2's edit
+  workload this drafts in the rounds that accept and not in the others: 1.8x plain decoding's
+  tokens per unit of forward cost, against 1.5x for a draft of the round's length after the last
+  3-gram's first occurrence). No second model.
 - ``"self:N"``: self-speculation (LayerSkip's early exit): the model's first N blocks, then its
   final norm and head. What the draft writes into those blocks' caches is the model's own (the
   same weights on the same tokens), and so is the residual stream it leaves after block N: the
@@ -94,7 +98,7 @@ class Speculative:
         or a draft GPT with the model's vocabulary, on its device.
     k: the first round's draft length; max_k: the longest it grows to, and the extra slots each
         rolling cache keeps so that rejected drafts can be rolled back.
-    ngram: prompt lookup's longest n-gram.
+    ngram: the shortest run of agreeing tokens prompt lookup drafts from.
     stats: a :class:`SpeculationStats`, added to by every run (read it after the stream ends).
     """
 
@@ -219,29 +223,32 @@ class _Drafter:
 
 
 class _Lookup(_Drafter):
-    """Prompt lookup: each row's drafts copy what followed the first earlier occurrence of its
-    last n-gram (n = ``ngram`` down to 1) among its real tokens."""
+    """Prompt lookup: each row's drafts copy what followed the earlier place among its real
+    tokens whose last ones agree longest with the row's last ones. A copy that has held for
+    ``run`` tokens is drafted for as many more (and up to the round's length); a run shorter
+    than ``ngram`` drafts nothing."""
 
-    def __init__(self, model: nn.Module, ngram: int):
+    def __init__(self, model: nn.Module, ngram: int, reach: int):
         super().__init__(model)
-        self.ngram = ngram
+        self.ngram, self.reach = ngram, max(ngram, reach)  # runs are counted up to `reach` tokens
 
     def draft(self, seq: Tensor, lens: Tensor, L: int, m: int, start: Tensor, mask, sample) -> _Round:
         tokens, forced = _committed(seq, lens, L, m)
         B, N = seq.shape
         device = seq.device
-        found = torch.zeros(B, dtype=torch.bool, device=device)
-        source = torch.zeros(B, dtype=torch.long, device=device)  # where each row's continuation starts
-        for n in range(min(self.ngram, N - 1), 0, -1):
-            tail = seq.gather(1, (lens[:, None] - n + torch.arange(n, device=device)).clamp(min=0))  # (B, n)
-            windows = seq.unfold(1, n, 1)  # (B, N - n + 1, n): window s is seq[:, s:s + n]
-            s = torch.arange(N - n + 1, device=device)
-            match = (windows == tail[:, None]).all(dim=-1)  # (B, N - n + 1)
-            match &= (s >= start[:, None]) & (s + n < lens[:, None]) & (lens - n >= start)[:, None]  # real, earlier
-            take = match.any(dim=1) & ~found
-            source = torch.where(take, match.int().argmax(dim=1) + n, source)  # argmax: the first occurrence
-            found |= take
-        count = torch.where(found, torch.minimum(lens - source, L + m - lens), 0)  # (B,) drafts per row
+        back = torch.arange(self.reach, device=device)  # (J,) tokens back from the last one
+        s = torch.arange(N, device=device)[:, None]  # (N, 1) where an earlier copy's last token is
+        theirs = s - back  # (N, J)
+        mine = lens[:, None] - 1 - back  # (B, J)
+        agree = seq.gather(1, theirs.clamp(min=0).view(1, -1).expand(B, -1)).view(B, N, -1) == \
+            seq.gather(1, mine.clamp(min=0))[:, None]  # (B, N, J)
+        agree &= (theirs >= start[:, None, None]) & (mine >= start[:, None])[:, None]  # real tokens only
+        agree &= (s < lens[:, None, None] - 1)  # an earlier place, with a token after it to copy
+        runs = agree.int().cumprod(dim=-1).sum(dim=-1)  # (B, N) tokens each place agrees for
+        run, last = runs.max(dim=1)  # (B,) the longest, and its first place
+        source = last + 1  # where each row's copy starts
+        count = torch.minimum(torch.minimum(run, lens - source), L + m - lens)  # (B,) drafts per row
+        count = torch.where(run >= self.ngram, count, 0)
         offset = torch.arange(m, device=device) - (lens - L)[:, None]  # (B, m) place in the row's draft
         drafted = (offset >= 0) & (offset < count[:, None])
         copied = seq.gather(1, (source[:, None] + offset).clamp(0, N - 1))  # (B, m)
@@ -385,7 +392,7 @@ def decode(model: nn.Module, spec: Speculative, idx: Tensor, max_new_tokens: int
     if spec.layers is not None:
         drafter = _EarlyExit(model, spec.layers, cache, stats)
     elif isinstance(spec.method, str):
-        drafter = _Lookup(model, spec.ngram)
+        drafter = _Lookup(model, spec.ngram, spec.max_k)
     else:
         drafter = _DraftModel(model, spec.method, B, end - 1, spec.max_k, stats)
     seq = torch.zeros(B, end, dtype=torch.long, device=device)  # (B, T + max_new) prompts and committed tokens

@@ -32,8 +32,10 @@ def noisy_copy(model, scale=0.05, seed=0):
     return draft
 
 
-def method_for(name, model):
-    return noisy_copy(model) if name == "draft" else name
+def speculation(name, model, **kw):
+    """A :class:`Speculative` of drafter ``name``; prompt lookup drafting after any repeated token
+    (``ngram=1``), as it must on a random model's text for the tests to judge drafts."""
+    return Speculative(noisy_copy(model) if name == "draft" else name, ngram=1, **kw)
 
 
 def tokens_of(model, idx, n, **kw):
@@ -103,7 +105,7 @@ def test_greedy_speculation_yields_plain_greedy_tokens(variant, method):
     model = scrambled(small(**CACHE_KINDS[variant]))
     idx = repetitive(3, 4, 2)  # (3, 8): 3 rows, each accepting its own number of drafts
     plain = tokens_of(model, idx, 12, temperature=0)
-    spec = Speculative(method_for(method, model), k=2, max_k=6)
+    spec = speculation(method, model, k=2, max_k=6)
     stream = model.generate(idx, 12, temperature=0, speculative=spec)
     assert iter(stream) is stream
     steps = list(stream)  # one (B,) tensor per step, as without speculation
@@ -118,7 +120,7 @@ def test_accepting_every_draft_is_caught(method, monkeypatch):  # negative contr
     idx = repetitive(3, 4, 2)
     plain = tokens_of(model, idx, 15, temperature=0)
     monkeypatch.setattr(speculative, "_verdicts", lambda p, q, sample: torch.ones_like(p, dtype=torch.bool))
-    assert not torch.equal(tokens_of(model, idx, 15, temperature=0, speculative=method_for(method, model)), plain)
+    assert not torch.equal(tokens_of(model, idx, 15, temperature=0, speculative=speculation(method, model)), plain)
 
 
 def test_a_smaller_draft_of_another_shape():
@@ -139,7 +141,7 @@ def test_left_padded_rows_speculate_as_they_decode(variant, method):
     pattern = [torch.randint(1, 61, (n,), generator=g) for n in (2, 3, 4)]
     idx, mask = left_pad([p.repeat(r) for p, r in zip(pattern, (2, 3, 1))])  # lengths 4, 9, 4
     plain = tokens_of(model, idx, 12, temperature=0, attention_mask=mask)
-    got = tokens_of(model, idx, 12, temperature=0, attention_mask=mask, speculative=method_for(method, model))
+    got = tokens_of(model, idx, 12, temperature=0, attention_mask=mask, speculative=speculation(method, model))
     assert torch.equal(got, plain)
 
 
@@ -151,7 +153,7 @@ def test_eos_finishes_rows_and_the_stream_as_plain_decoding(method):
     eos = next(t for s, t in enumerate(free[0].tolist()) if s > 0 and t not in free[0, :s] and t not in free[1])
     for prompt in (idx, idx[:1]):  # both rows (one finishes), then one row (the stream ends early)
         plain = tokens_of(model, prompt, 12, temperature=0, eos_token=eos)
-        got = tokens_of(model, prompt, 12, temperature=0, eos_token=eos, speculative=method_for(method, model))
+        got = tokens_of(model, prompt, 12, temperature=0, eos_token=eos, speculative=speculation(method, model))
         assert torch.equal(got, plain)
     assert plain.shape[1] < 12 and plain[0, -1] == eos
 
@@ -171,6 +173,30 @@ def test_the_draft_length_adapts_to_the_acceptance():
     # rounds 8, 10, 13 and 18 draft one token, the other 8 rounds are plain steps
     assert poor.stats.drafted == 8 + 7 + 6 + 5 + 4 + 3 + 2 + 4 * 1
     assert poor.stats.draft_forwards == poor.stats.drafted
+
+
+def test_prompt_lookup_copies_the_longest_agreeing_run_for_as_long_as_it_ran():
+    lookup = speculative._Lookup(scrambled(small()), ngram=3, reach=8)
+    text = [9, 3, 4, 7, 1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3, 4]  # "3 4" twice before: the second run is 4 long
+    seq = torch.tensor([text + [0] * 8])  # (1, 24) the committed text, then room
+    lens, start = torch.tensor([len(text)]), torch.tensor([0])
+
+    def drafts(seq, lens, m):
+        rnd = lookup.draft(seq, lens, int(lens.min()) - 1, m, start, None, {})
+        return rnd.tokens[rnd.drafted].tolist()
+
+    assert drafts(seq, lens, 9) == [5, 6, 7, 8]  # "1 2 3 4" agreed for 4 tokens: 4 drafts after it
+    assert drafts(seq, lens, 3) == [5, 6]  # no more than the round holds
+    short = seq.clone()
+    short[0, 12] = 0  # the run is now "2 3 4": 3 tokens, still enough
+    assert drafts(short, lens, 9) == [5, 6, 7]
+    short[0, 13] = 0  # "3 4" twice: shorter than ngram, no draft
+    assert drafts(short, lens, 9) == [] and lookup.draft(short, lens, 15, 9, start, None, {}).m == 1
+    padded = torch.tensor([[1, 2, 3, 4, 5, 1, 2, 3, 0, 0, 0]])  # left-padded by 3: the text is "4 5 1 2 3"
+    rnd = lookup.draft(padded, torch.tensor([8]), 7, 4, torch.tensor([3]), None, {})
+    assert not rnd.drafted.any()  # "1 2 3" agrees with the padding only, which is no text to copy
+    unpadded = lookup.draft(padded, torch.tensor([8]), 7, 4, torch.tensor([0]), None, {})
+    assert unpadded.tokens[0, 1:].tolist() == [4, 5, 1]  # control: were it text, "1 2 3" would be copied on
 
 
 def test_prompt_lookup_on_text_that_repeats_what_it_read():
@@ -258,7 +284,7 @@ def test_plain_sampling_passes_the_chi_square_test(tiny):  # the exact law is pl
 @pytest.mark.parametrize("method", METHODS)
 def test_speculative_sampling_draws_plain_samplings_distribution(tiny, method, monkeypatch):
     model, prompt, law, drafts = tiny
-    spec = Speculative(drafts[method], k=2)
+    spec = Speculative(drafts[method], k=2, ngram=1)  # lookup drafts after any repeated token
     stat, df, critical = chi_square(sampled_counts(model, prompt, speculative=spec), law)
     print(f"{method}: chi2 {stat:.1f}, df {df}, critical {critical:.1f}, {spec.stats}")
     assert stat < critical and spec.stats.accepted > 0.05 * spec.stats.drafted > 0
