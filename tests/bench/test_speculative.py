@@ -6,6 +6,7 @@ import json
 import pytest
 
 from selfattn.bench import speculative
+from selfattn.bench.speculative import PEERS
 from selfattn.cli import main
 from selfattn.model import GPT
 
@@ -26,6 +27,13 @@ def test_quick_run_writes_every_row_and_its_arithmetic(tmp_path):
         assert r["x_plain"] == pytest.approx(r["tokens_per_s"] / rows["plain", compiled]["tokens_per_s"])
         assert r["roofline_fraction"] == pytest.approx(r["bytes_per_token"] * r["tokens_per_s"] / (bw * 1e9))
         assert r["bytes_per_token"] > 0
+        if impl in PEERS:
+            assert "decode_tokens_per_s" not in r  # their prompt's forward is theirs, not the one timed
+            continue
+        assert 0 < r["prefill_s"] < r["time_s"]  # decoding alone: the tokens after the first, after the prompt
+        assert r["decode_tokens_per_s"] == pytest.approx(7 / (r["time_s"] - r["prefill_s"]))
+        assert r["decode_x_plain"] == pytest.approx(r["decode_tokens_per_s"] /
+                                                    rows["plain", compiled]["decode_tokens_per_s"])
     for impl, compiled in itertools.product(ours[1:], (False, True)):
         assert rows[impl, compiled]["tokens_per_forward"] >= 1.0 and 0 <= rows[impl, compiled]["acceptance_rate"] <= 1
     assert "lookup compiled" in speculative.report(result)
@@ -49,9 +57,10 @@ def test_a_speculative_row_with_other_tokens_fails_the_run(tmp_path, monkeypatch
 
 
 def test_the_targets_take_our_faster_row_of_each_impl():
-    def row(workload, impl, compiled, rate, x_plain=1.0):
+    def row(workload, impl, compiled, rate, x_plain=1.0):  # 256 tokens, 1 s of them the prompt's forward
         return {"workload": workload, "impl": impl, "compiled": compiled, "status": "ok", "tokens_per_s": rate,
-                "x_plain": x_plain}
+                "x_plain": x_plain, "time_s": 256 / rate, "prefill_s": 1.0,
+                "decode_tokens_per_s": 255 / (256 / rate - 1)}
 
     result = {"results": [row("edit", "plain", False, 20.0), row("edit", "plain", True, 40.0),
                           row("edit", "lookup", False, 30.0, 1.5), row("edit", "lookup", True, 90.0, 2.25),
@@ -59,6 +68,7 @@ def test_the_targets_take_our_faster_row_of_each_impl():
                           row("chat", "plain", True, 40.0), row("chat", "lookup", True, 39.0, 0.975),
                           row("chat", "self:7", False, 18.0, 0.9)]}
     edit, peer, chat = speculative.targets(result)
-    assert (edit["status"], edit["measured"]) == ("MISS", "2.25x (lookup compiled against plain compiled)")
+    assert (edit["status"], edit["measured"]) == ("MISS", "2.25x (lookup compiled against plain compiled; "
+                                                  "decoding alone 2.93x, the prompt's forward 1.00 s of plain's 6.40)")
     assert (peer["status"], peer["measured"]) == ("PASS", "1.80x")
     assert (chat["status"], chat["measured"]) == ("MISS", "worst self:7 0.90x")
