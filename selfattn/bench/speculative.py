@@ -205,7 +205,8 @@ def _workload(models: dict[str, GPT], hf, hf_missing, idx, eos, N: int, settings
     tokens = plain.shape[1]
     per_token = roofline(models[""], 1, idx.shape[1], max(tokens, 2))["bytes_per_step"]
     rate = {name: tokens / common.median(ts) for name, ts in times.items()}
-    decode_rate = {name: (tokens - 1) / max(common.median(ts) - prefill, 1e-9) for name, ts in times.items()}
+    decode_rate = {name: (tokens - 1) / max(common.median(ts) - prefill, 1e-9)  # ours: after our prefill
+                   for name, ts in times.items() if name in rows_of}
     rows = []
     for name, ts in times.items():
         impl, compiled = rows_of.get(name, (name, False))
