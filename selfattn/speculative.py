@@ -9,7 +9,8 @@ Drafters (:class:`Speculative`'s ``method``, :meth:`~selfattn.model.GPT.generate
   many as the run is long: a copy that has held for long is likely to hold on. On SmolLM2's edit
   answer it drafts in the rounds that accept and not in the others: 1.75x plain decoding,
   simulated from the measured forward costs, against 1.45x for drafts of the round's length after
-  the last 3-gram's first occurrence (measured: 1.29x against 1.19x, compiled). No second model.
+  the last 3-gram's first occurrence (measured with compiled decoding: 1.35x, against 1.19x
+  before; ``docs/benchmarks.md``). No second model.
 - ``"self:N"``: self-speculation (LayerSkip's early exit): the model's first N blocks, then its
   final norm and head. What the draft writes into those blocks' caches is the model's own (the
   same weights on the same tokens), and so is the residual stream it leaves after block N: the
