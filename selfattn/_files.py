@@ -74,6 +74,13 @@ def remove_temporaries(folder: str | os.PathLike, name: str = "*") -> None:
         tmp.unlink(missing_ok=True)
 
 
+def cache_dir() -> Path:
+    """Where selfattn keeps what it measured or built for this machine: ``$SELFATTN_CACHE_DIR``,
+    else ``$XDG_CACHE_HOME/selfattn``, else ``~/.cache/selfattn`` (not created here)."""
+    base = os.environ.get("SELFATTN_CACHE_DIR")
+    return Path(base) if base else Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache", "selfattn")
+
+
 def writable_folder(path: str | os.PathLike) -> Path:
     """``path``, checked to be a folder that exists or can be created and can be written to,
     before any work whose results go there. ``ValueError`` otherwise, naming the obstacle."""

@@ -22,7 +22,13 @@ too (a speculative verification), the matrix rows in the outer loop and the inpu
 so that the matrix streams once: for SmolLM2's matrix shapes in float32 on the EPYC, 2, 4, 8 and
 16 rows took 14.3, 18.7, 31.6 and 68.4 ms against ``F.linear``'s 45.0, 48.8, 44.6 and 59.4 (one
 run, random matrices in rows); it is a few-row candidate where one row takes ``dot``, whose
-order it reads. The fastest form differs between dtypes and machines, so :func:`decode_layout`
+order it reads. ``stream`` is :mod:`selfattn.stream_kernel`'s C++ kernel: one pass over the
+matrix rows for every input row, each entry widened to float32 as it streams past (one row of
+SmolLM2's matrices on the EPYC, in the same process: bfloat16 11.5 ms, float32 26.7, int8 7.8; a
+whole compiled decode step in bfloat16 14.5 ms against 16.7 with ``dot``, float32 22.7 against
+22.1). It is a candidate wherever it builds, whatever the matrices' size (it builds once per machine),
+for one row and for a few where the matrices are stored in rows.
+The fastest form differs between dtypes and machines, so :func:`decode_layout`
 measures the forms on the model's own matrices, for one row and for :data:`MEASURED_ROWS` rows,
 and every ``nn.Linear`` becomes a :class:`RowLinear`, which multiplies one row and up to
 :data:`FEW` rows by the chosen forms and more (a prompt) by ``F.linear``.
@@ -42,7 +48,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from selfattn import _timing
+from selfattn import _timing, stream_kernel
 from selfattn._compiling import compile_own
 
 HALF = (torch.bfloat16, torch.float16)
@@ -106,14 +112,15 @@ PRODUCTS: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
     "linear": lambda w, rows: F.linear(rows, w),
     "wxt": lambda w, rows: torch.mm(w, rows.t()).t().contiguous(),  # W·xᵀ (out, N), transposed back
     "dot": _dot,
+    "stream": lambda w, rows: stream_kernel.rows(w, rows),
 }
-ONE_ROW_FORMS = ("mv", "linear", "wxt", "dot")
-FEW_ROW_FORMS = ("linear", "wxt", "dot")  # the forms that take several rows; dot where one row takes it
+ONE_ROW_FORMS = ("mv", "linear", "wxt", "dot", "stream")
+FEW_ROW_FORMS = ("linear", "wxt", "dot", "stream")  # the forms that take several rows; dot where one row takes it
 
 
 def stored_in_rows(form: str, dtype: torch.dtype) -> bool:
     """Whether ``form`` reads a matrix of ``dtype`` fastest in (out, in) rows, else in (in, out)."""
-    return form == "dot" or dtype in HALF
+    return form in ("dot", "stream") or dtype in HALF
 
 
 class RowLinear(nn.Linear):
@@ -144,8 +151,6 @@ def decode_layout(model: nn.Module, *, one_row: str | None = None, few_rows: str
     another dtype (``.to()`` keeps each matrix's order)."""
     _check_form("one_row", one_row, ONE_ROW_FORMS)
     _check_form("few_rows", few_rows, FEW_ROW_FORMS)
-    if "dot" in (one_row, few_rows):
-        _check_dot()
     groups: dict[tuple, list[nn.Module]] = {}  # (dtype, device) -> its matrices' modules
     for module in model.modules():
         if type(module) is nn.Linear:
@@ -160,7 +165,7 @@ def decode_layout(model: nn.Module, *, one_row: str | None = None, few_rows: str
                 continue
             chosen = one_row or fastest_one_row(modules, linears)
             _store(modules, in_rows=stored_in_rows(chosen, modules[0].weight.dtype))
-            few = FEW_ROW_FORMS if chosen == "dot" else FEW_ROW_FORMS[:-1]  # dot reads the rows one-row dot stores
+            few = few_row_candidates(chosen, modules[0].weight.dtype)
             forms = {"one_row": chosen, "few_rows": few_rows or fastest(linears, MEASURED_ROWS, few)}
             for module in linears:
                 module.one_row, module.few_rows = forms["one_row"], forms["few_rows"]
@@ -178,6 +183,8 @@ def fastest_one_row(modules: list[nn.Module], linears: list[nn.Linear]) -> str:
     forms = ["mv", "linear", "wxt"]
     if sum(m.weight.numel() for m in linears) * w.element_size() >= DOT_FROM and _dot_failure() is None:
         forms.append("dot")
+    if stream_kernel.failure() is None:
+        forms.append("stream")
     median = {}  # form -> seconds
     for in_rows in (False, True):
         read_so = tuple(form for form in forms if stored_in_rows(form, w.dtype) == in_rows)
@@ -185,6 +192,14 @@ def fastest_one_row(modules: list[nn.Module], linears: list[nn.Linear]) -> str:
             _store(modules, in_rows=in_rows)
             median |= timings(linears, 1, read_so)
     return min(median, key=median.get)
+
+
+def few_row_candidates(one_row: str, dtype: torch.dtype) -> tuple[str, ...]:
+    """The few-row forms measured where ``one_row`` takes one row: the BLAS forms, ``stream`` where
+    the matrices are stored in rows and it builds, ``dot`` where one row takes it (it compiles)."""
+    in_rows = stored_in_rows(one_row, dtype)
+    return (("linear", "wxt") + (("dot",) if one_row == "dot" else ())
+            + (("stream",) if in_rows and stream_kernel.failure() is None else ()))
 
 
 def fastest(linears: list[nn.Linear], rows: int, forms: tuple[str, ...]) -> str:
@@ -235,13 +250,20 @@ def _dot_failure() -> str | None:
     return None
 
 
-def _check_dot() -> None:
-    why = _dot_failure()
-    if why is not None:
-        raise ValueError(f"one_row='dot' needs torch.compile, which failed here ({why}); name another form "
-                         f"or leave one_row=None to measure")
+def _failure(form: str) -> str | None:
+    """Why ``form`` cannot run here (None when it can)."""
+    if form == "dot":
+        why = _dot_failure()
+        return why and f"it needs torch.compile, which failed here ({why})"
+    if form == "stream":
+        why = stream_kernel.failure()
+        return why and f"its kernel did not build here ({why})"
+    return None
 
 
 def _check_form(name: str, form, allowed: tuple[str, ...]) -> None:
     if form is not None and form not in allowed:
         raise ValueError(f"{name} must be one of {', '.join(map(repr, allowed))} or None (measured), got {form!r}")
+    why = form and _failure(form)
+    if why:
+        raise ValueError(f"{name}={form!r} cannot run: {why}; name another form or leave {name}=None to measure")

@@ -7,12 +7,14 @@ default: it changes the model's numbers (by about 1/254 of each row's largest we
 ``selfattn bench int8`` measures (top-1 agreement and perplexity against float32).
 
 The products: a few rows (decoding, a speculative verification: at most :data:`KERNEL_ROWS`) on
-the CPU run on PyTorch's int8-weight kernel (``torch._weight_int8pack_mm``, accumulated in float32)
-with the activations rounded to bfloat16, the one input dtype it has a fast path for (measured on
-a 2-core Xeon, a (1, 576) x (576, 3072) product: bfloat16 52 us, float32 530 us, float16 1264 us,
-the float32 weight itself 128 us); that rounding costs about as much as the weights' own. More rows
-(a prompt) and other devices multiply by the dequantised weight in the activations' dtype, which
-there is faster than the kernel (64 rows: 0.9 ms against 1.5 ms).
+the CPU run on :mod:`selfattn.stream_kernel`, which widens each int8 entry to float32 as it streams
+past, sums in float32 and scales each sum by its row's scale (the activations as they are). Where
+that kernel cannot be built, PyTorch's int8-weight kernel serves (``torch._weight_int8pack_mm``,
+accumulated in float32) with the activations rounded to bfloat16, the one input dtype it has a
+fast path for (a (1, 576) x (576, 3072) product on a 2-core Xeon: bfloat16 52 us, float32 530 us);
+that rounding costs about as much as the weights' own. More rows (a prompt) and other devices
+multiply by the dequantised weight in the activations' dtype, which there is faster than the
+kernels (64 rows: 0.9 ms against 1.5 ms).
 
 Token embeddings stay as they are (a lookup reads one row per token, not the matrix), and a tied
 head gets an int8 copy of its own. Experts stored as tensors (a mixture of experts) stay as well.
@@ -23,7 +25,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-HALF_ENOUGH = (torch.float32, torch.bfloat16, torch.float16)  # inputs the kernel's bf16 rounding suits (not float64)
+from selfattn import stream_kernel
+
+KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # activations the kernels take (not float64)
 KERNEL_ROWS = 32  # up to this many rows the int8 kernel beats the dequantised weight (both measured at 8 and 64)
 
 
@@ -35,9 +39,11 @@ class Int8Linear(nn.Module):
         w = linear.weight.detach()
         scale = w.float().abs().amax(dim=1).clamp(min=1e-12) / 127  # (out,)
         q = torch.round(w.float() / scale[:, None]).clamp(-127, 127).to(torch.int8)
-        self.register_buffer("q", q.contiguous())  # (out, in) rows, as the kernel reads them, whatever w's strides
+        self.register_buffer("q", q.contiguous())  # (out, in) rows, as the kernels read them, whatever w's strides
         self.register_buffer("scale", scale)  # float32: cast to the activations' dtype per call
-        # the kernel's scales, cast once: a compiled decode step cannot feed the kernel a cast (a .to() of a model
+        # the few-row kernel: "stream" (selfattn.stream_kernel) where it builds, else "int8pack"
+        self.kernel = "stream" if stream_kernel.failure() is None else "int8pack"
+        # int8pack's scales, cast once: a compiled decode step cannot feed the kernel a cast (a .to() of a model
         # may change this buffer's dtype: the .to(bfloat16) in forward is then a cast, else nothing)
         self.register_buffer("kernel_scale", scale.to(torch.bfloat16), persistent=False)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
@@ -45,10 +51,12 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         rows = x.reshape(-1, self.in_features).contiguous()  # (B·T, in)
-        if rows.device.type == "cpu" and rows.shape[0] <= KERNEL_ROWS and rows.dtype in HALF_ENOUGH:
-            half = rows.to(torch.bfloat16)  # the kernel's fast input
-            y = torch._weight_int8pack_mm(half, self.q, self.kernel_scale.to(torch.bfloat16))  # (B·T, out)
-            y = y.to(rows.dtype)
+        if rows.device.type == "cpu" and rows.shape[0] <= KERNEL_ROWS and rows.dtype in KERNEL_DTYPES:
+            if self.kernel == "stream":
+                y = stream_kernel.rows(self.q, rows, self.scale)
+            else:
+                y = torch._weight_int8pack_mm(rows.to(torch.bfloat16), self.q, self.kernel_scale.to(torch.bfloat16))
+                y = y.to(rows.dtype)
         else:
             y = F.linear(rows, self.q.to(rows.dtype) * self.scale.to(rows.dtype)[:, None])
         if self.bias is not None:
@@ -56,7 +64,8 @@ class Int8Linear(nn.Module):
         return y.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, int8"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"int8, kernel={self.kernel!r}")
 
 
 @torch.no_grad()

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from selfattn import decode_layout
+from selfattn import decode_layout, stream_kernel
 from selfattn.decode_layout import FEW, RowLinear
 from selfattn.kv_cache import KVCache, RollingKVCache
 from selfattn.sampling import next_token, top_k_filter, top_p_filter
@@ -272,7 +272,8 @@ def test_decode_layout_changes_strides_only():
 
 
 @pytest.mark.parametrize("forms", [("mv", "linear"), ("linear", "wxt"), ("wxt", "wxt"), ("dot", "linear"),
-                                   ("dot", "wxt"), ("dot", "dot"), (None, None)])
+                                   ("dot", "wxt"), ("dot", "dot"), ("dot", "stream"), ("stream", "linear"),
+                                   ("stream", "stream"), (None, None)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decode_layout_computes_the_same_whatever_products_it_takes(dtype, forms):
     model = scrambled(small(**VARIANTS["llama-shaped"])).to(dtype)
@@ -286,7 +287,7 @@ def test_decode_layout_computes_the_same_whatever_products_it_takes(dtype, forms
     assert all(m.one_row == (one_row or linears[0].one_row) and m.few_rows == (few_rows or linears[0].few_rows)
                for m in linears)  # one choice per dtype
     w = model.blocks[0].attn.qkv.weight
-    in_rows = dtype != torch.float32 or one_row == "dot"  # the BLAS forms read float32 in (in, out) order
+    in_rows = dtype != torch.float32 or one_row in ("dot", "stream")  # the BLAS forms read float32 in (in, out)
     assert w.is_contiguous() if in_rows else w.t().is_contiguous()
     tol = 1e-5 if dtype == torch.float32 else 3e-2 * logits.abs().max().item()
     torch.testing.assert_close(model(idx)[0], logits, rtol=0, atol=tol)  # 18 rows: F.linear
@@ -334,16 +335,16 @@ def test_decode_layout_measures_the_compiled_dot_form_with_the_matrices_in_rows(
     model.decode_layout()  # a small model's matrices stay in the caches: dot is no candidate for them
     assert model.lm_head.one_row != "dot" and all(w.t().is_contiguous() for w in matrices())
     monkeypatch.setattr(decode_layout, "DOT_FROM", 0)
-    for form in ("mv", "linear", "wxt"):
+    for form in ("mv", "linear", "wxt", "stream"):
         monkeypatch.setitem(decode_layout.PRODUCTS, form, slowed(form))
     model.decode_layout()
     assert model.lm_head.one_row == "dot" and all(w.is_contiguous() for w in matrices())  # rows, embeddings too
-    assert model.lm_head.few_rows == "dot"  # the few-row form too: linear and wxt were slowed
+    assert model.lm_head.few_rows == "dot"  # the few-row form too: linear, wxt and stream were slowed
     monkeypatch.setitem(decode_layout.PRODUCTS, "dot", slowed("dot"))
     monkeypatch.setitem(decode_layout.PRODUCTS, "mv", lambda w, rows: torch.mv(w, rows[0])[None])
     model.decode_layout()  # control: mv measured fastest, the float32 matrices back in (in, out) order
     assert model.lm_head.one_row == "mv" and all(w.t().is_contiguous() for w in matrices())
-    assert model.lm_head.few_rows != "dot"  # dot reads rows, which only a one-row dot stores
+    assert model.lm_head.few_rows not in ("dot", "stream")  # they read rows, which mv leaves in (in, out)
 
 
 def test_dot_compiles_a_kernel_per_row_length_and_dtype_and_passes_gradients():
@@ -377,30 +378,47 @@ def test_without_a_compiler_dot_is_no_candidate_and_naming_it_says_why(monkeypat
     try:
         model = scrambled(small()).decode_layout()
         assert model.lm_head.one_row in ("mv", "linear", "wxt")
-        with pytest.raises(ValueError, match=re.escape("one_row='dot' needs torch.compile, which failed here "
-                                                       "(RuntimeError: no C++ compiler found)")):
+        with pytest.raises(ValueError, match=re.escape("one_row='dot' cannot run: it needs torch.compile, which "
+                                                       "failed here (RuntimeError: no C++ compiler found)")):
             model.decode_layout(one_row="dot")
     finally:
         decode_layout._dot_failure.cache_clear()
 
 
+def test_decode_layout_measures_the_stream_kernel_with_the_matrices_in_rows(monkeypatch):
+    model = scrambled(small())
+    matrices = lambda: [m.weight for m in model.modules() if isinstance(m, (nn.Linear, nn.Embedding))]
+    for form in ("mv", "linear", "wxt"):
+        monkeypatch.setitem(decode_layout.PRODUCTS, form, slowed(form))
+    model.decode_layout()  # a small model: dot is no candidate; the kernel is, whatever the size
+    assert (model.lm_head.one_row, model.lm_head.few_rows) == ("stream", "stream")
+    assert all(w.is_contiguous() for w in matrices())  # rows, which the kernel streams
+    monkeypatch.setattr(stream_kernel, "failure", lambda isa=None: "no C++ compiler found")
+    model.decode_layout()  # control: a machine where the kernel does not build keeps PyTorch's forms
+    assert model.lm_head.one_row in ("mv", "linear", "wxt") and model.lm_head.few_rows in ("linear", "wxt")
+    with pytest.raises(ValueError, match=re.escape("few_rows='stream' cannot run: its kernel did not build here "
+                                                   "(no C++ compiler found); name another form")):
+        model.decode_layout(few_rows="stream")
+
+
 def test_decode_layout_measures_the_fastest_form(monkeypatch):
 
     model = scrambled(small())
-    monkeypatch.setitem(decode_layout.PRODUCTS, "mv", slowed("mv"))
-    monkeypatch.setitem(decode_layout.PRODUCTS, "linear", slowed("linear"))
+    for form in ("mv", "linear", "stream"):
+        monkeypatch.setitem(decode_layout.PRODUCTS, form, slowed(form))
     model.decode_layout()
     assert (model.lm_head.one_row, model.lm_head.few_rows) == ("wxt", "wxt")
     monkeypatch.undo()
-    monkeypatch.setitem(decode_layout.PRODUCTS, "wxt", slowed("wxt"))
-    monkeypatch.setitem(decode_layout.PRODUCTS, "mv", slowed("mv"))
+    for form in ("wxt", "mv", "stream"):
+        monkeypatch.setitem(decode_layout.PRODUCTS, form, slowed(form))
     model.decode_layout()  # control: the measurement follows the times
     assert (model.lm_head.one_row, model.lm_head.few_rows) == ("linear", "linear")
 
 
-@pytest.mark.parametrize("kw, words", [(dict(one_row="gemv"), "one_row must be one of 'mv', 'linear', 'wxt', 'dot'"),
-                                       (dict(few_rows="mv"), "few_rows must be one of 'linear', 'wxt', 'dot' or None"
-                                                             " (measured), got 'mv'")])
+@pytest.mark.parametrize("kw, words", [(dict(one_row="gemv"), "one_row must be one of 'mv', 'linear', 'wxt', 'dot', "
+                                                               "'stream'"),
+                                       (dict(few_rows="mv"), "few_rows must be one of 'linear', 'wxt', 'dot', 'stream' "
+                                                             "or None (measured), got 'mv'")])
 def test_decode_layout_names_a_product_it_does_not_know(kw, words):
     with pytest.raises(ValueError, match=re.escape(words)):
         scrambled(small()).decode_layout(**kw)

@@ -5,30 +5,40 @@ import pytest
 import torch
 from torch import nn
 
+from selfattn import stream_kernel
 from selfattn.quantize import KERNEL_ROWS, Int8Linear, quantize_int8
 
 from helpers.models import VARIANTS, scrambled, small
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
-@pytest.mark.parametrize("rows", [3, KERNEL_ROWS + 1])  # the int8 kernel, then the dequantised weight
-def test_an_int8_linear_computes_its_dequantised_weight_within_the_rounding_bound(dtype, rows):
+@pytest.mark.parametrize("rows", [3, KERNEL_ROWS + 1])  # a kernel, then the dequantised weight
+@pytest.mark.parametrize("kernel", ["stream", "int8pack"])
+def test_an_int8_linear_computes_its_dequantised_weight_within_the_rounding_bound(dtype, rows, kernel):
     torch.manual_seed(0)
     linear = nn.Linear(64, 48).to(dtype)
     q = Int8Linear(linear)
+    q.kernel = kernel
     assert q.q.dtype == torch.int8 and q.q.abs().max() <= 127 and q.scale.shape == (48,)
     w = linear.weight.float()
     dequantised = q.q.float() * q.scale.float()[:, None]
     assert (dequantised - w).abs().max() <= q.scale.float().max() / 2 + 1e-6  # half a step of each row at most
     x = torch.randn(rows, 64, dtype=dtype)
     expected = x.double() @ (q.q.double() * q.scale.to(dtype).double()[:, None]).t() + linear.bias.double()
-    kernel = rows <= KERNEL_ROWS and dtype != torch.float64  # its activations are rounded to bfloat16
-    tol = 2e-2 if kernel or dtype == torch.bfloat16 else 1e-6
+    rounds = kernel == "int8pack" and rows <= KERNEL_ROWS and dtype != torch.float64  # activations to bfloat16
+    tol = 2e-2 if rounds or dtype == torch.bfloat16 else 1e-6
     y = q(x)
     assert y.dtype == dtype and y.shape == (rows, 48)
     assert torch.allclose(y.double(), expected, atol=tol * expected.abs().max().item(), rtol=0)
-    if kernel and dtype == torch.float32:  # control: it is the kernel's bf16 rounding that this tolerance allows
+    if rounds and dtype == torch.float32:  # control: it is int8pack's bf16 rounding that this tolerance allows
         assert not torch.allclose(y.double(), expected, atol=1e-6 * expected.abs().max().item(), rtol=0)
+
+
+def test_an_int8_linear_takes_the_stream_kernel_where_it_builds(monkeypatch):
+    linear = nn.Linear(64, 48)
+    assert Int8Linear(linear).kernel == "stream"
+    monkeypatch.setattr(stream_kernel, "failure", lambda isa=None: "no C++ compiler found")
+    assert Int8Linear(linear).kernel == "int8pack"  # control: PyTorch's kernel where it does not
 
 
 def test_a_weight_stored_in_decode_layout_quantises_to_the_same_rows():  # GPT.decode_layout's (in, out) order

@@ -87,10 +87,8 @@ def fingerprint(device: torch.device) -> dict:
 def path(device: torch.device | str = "cpu") -> Path:
     """The cache file of this machine's measurements for ``device``."""
     device = torch.device(device)
-    base = os.environ.get("SELFATTN_CACHE_DIR") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache",
-                                                       "selfattn")
     digest = hashlib.sha256(json.dumps(fingerprint(device), sort_keys=True).encode()).hexdigest()[:16]
-    return Path(base) / f"auto-{device.type}-{digest}.json"
+    return _files.cache_dir() / f"auto-{device.type}-{digest}.json"
 
 
 def window(mask: Mask, S: int) -> int | None:
