@@ -21,6 +21,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -49,9 +50,13 @@ inline f32x16 load(const float* p) {
 }
 
 inline f32x16 load(const c10::BFloat16* p) {  // a bfloat16 is the top half of a float32
+#if defined(__AVX512F__)  // (GCC splits the generic form below into halves and reassembles them)
+  return (f32x16)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16);
+#else
   u16x16 h;
   std::memcpy(&h, p, sizeof h);
   return (f32x16)(__builtin_convertvector(h, u32x16) << 16);
+#endif
 }
 
 inline f32x16 load(const c10::Half* p) {
@@ -95,24 +100,36 @@ inline float sum_lanes(f32x16 v) {  // halves added pairwise: 16 -> 8 -> 4 -> 1,
 }
 
 // The sums of Rows rows x (each `in` long, float32) with one matrix row w, into sums[0 .. Rows).
+// Every loop over rows or partial sums is unrolled before GCC splits the accumulator array into
+// registers (its scalar replacement needs constant indices): left as loops, the array lives in memory,
+// zeroed and spilled around every matrix row, which halved the speed of a row of 576 entries.
 template <int Rows, typename W>
 inline void dot(const W* w, const float* x, int64_t in, float* sums) {
   f32x16 acc[Rows][S] = {};
   int64_t k = 0;
   for (; k + S * L <= in; k += S * L) {
+#pragma GCC unroll 4
     for (int s = 0; s < S; ++s) {
       const f32x16 wv = load(w + k + s * L);
+#pragma GCC unroll 4
       for (int r = 0; r < Rows; ++r) acc[r][s] += wv * load(x + r * in + k + s * L);
     }
   }
-  for (int s = 0; k + L <= in; k += L, ++s) {  // the runs left over continue the partial sums in turn
+  // the runs left over (fewer than S) continue the partial sums in turn, each s a constant
+  const auto leftover = [&](auto s) {
     const f32x16 wv = load(w + k);
+#pragma GCC unroll 4
     for (int r = 0; r < Rows; ++r) acc[r][s] += wv * load(x + r * in + k);
-  }
-  for (int r = 0; r < Rows; ++r) {
-    float sum = sum_lanes((acc[r][0] + acc[r][1]) + (acc[r][2] + acc[r][3]));
-    for (int64_t j = k; j < in; ++j) sum += static_cast<float>(w[j]) * x[r * in + j];  // the last < L entries
-    sums[r] = sum;
+    k += L;
+  };
+  static_assert(S == 4, "three leftover runs at most");
+  if (k + L <= in) leftover(std::integral_constant<int, 0>{});
+  if (k + L <= in) leftover(std::integral_constant<int, 1>{});
+  if (k + L <= in) leftover(std::integral_constant<int, 2>{});
+#pragma GCC unroll 4
+  for (int r = 0; r < Rows; ++r) sums[r] = sum_lanes((acc[r][0] + acc[r][1]) + (acc[r][2] + acc[r][3]));
+  for (int r = 0; r < Rows; ++r) {  // the last entries, fewer than L
+    for (int64_t j = k; j < in; ++j) sums[r] += static_cast<float>(w[j]) * x[r * in + j];
   }
 }
 
