@@ -92,10 +92,27 @@ inline f32x16 load(const int8_t* p) {  // GCC 12 widens an int8 vector entry by 
 #endif
 }
 
+inline f32x8 low(f32x16 v) { return __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7); }
+inline f32x8 high(f32x16 v) { return __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15); }
+
+// acc + a * b, rounded once where the machine fuses it. The build turns contraction off
+// (-ffp-contract=off): left to the compiler, one instance of a loop fused where another did not, and
+// a row's bits depended on the rows beside it.
+inline f32x16 fma(f32x16 a, f32x16 b, f32x16 acc) {
+#if defined(__AVX512F__)
+  return (f32x16)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)acc);
+#elif defined(__FMA__)
+  const f32x8 lo = (f32x8)_mm256_fmadd_ps((__m256)low(a), (__m256)low(b), (__m256)low(acc));
+  const f32x8 hi = (f32x8)_mm256_fmadd_ps((__m256)high(a), (__m256)high(b), (__m256)high(acc));
+  return __builtin_shufflevector(lo, hi, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+#else
+  return acc + a * b;
+#endif
+}
+
 inline float sum_lanes(f32x16 v) {  // halves added pairwise: 16 -> 8 -> 4 -> 1, a fixed order
-  f32x8 h = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
-            __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-  f32x4 q = __builtin_shufflevector(h, h, 0, 1, 2, 3) + __builtin_shufflevector(h, h, 4, 5, 6, 7);
+  const f32x8 h = low(v) + high(v);
+  const f32x4 q = __builtin_shufflevector(h, h, 0, 1, 2, 3) + __builtin_shufflevector(h, h, 4, 5, 6, 7);
   return (q[0] + q[2]) + (q[1] + q[3]);
 }
 
@@ -112,14 +129,14 @@ inline void dot(const W* w, const float* x, int64_t in, float* sums) {
     for (int s = 0; s < S; ++s) {
       const f32x16 wv = load(w + k + s * L);
 #pragma GCC unroll 4
-      for (int r = 0; r < Rows; ++r) acc[r][s] += wv * load(x + r * in + k + s * L);
+      for (int r = 0; r < Rows; ++r) acc[r][s] = fma(wv, load(x + r * in + k + s * L), acc[r][s]);
     }
   }
   // the runs left over (fewer than S) continue the partial sums in turn, each s a constant
   const auto leftover = [&](auto s) {
     const f32x16 wv = load(w + k);
 #pragma GCC unroll 4
-    for (int r = 0; r < Rows; ++r) acc[r][s] += wv * load(x + r * in + k);
+    for (int r = 0; r < Rows; ++r) acc[r][s] = fma(wv, load(x + r * in + k), acc[r][s]);
     k += L;
   };
   static_assert(S == 4, "three leftover runs at most");
