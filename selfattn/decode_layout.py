@@ -106,13 +106,21 @@ def _dot_kernel(w: Tensor, rows: Tensor) -> Tensor:
     return _compiled_dot_sums(w.shape[1], w.dtype)(w, rows)
 
 
+def _stream(w: Tensor, rows: Tensor) -> Tensor:
+    """The ``stream`` form: :mod:`selfattn.stream_kernel` for the CPU and its dtypes, ``F.linear``
+    for the rest (a model cast to float64 or moved after its layout)."""
+    if w.device.type == "cpu" and w.dtype in stream_kernel.MATRIX_DTYPES and rows.dtype in stream_kernel.ROW_DTYPES:
+        return stream_kernel.rows(w, rows)
+    return F.linear(rows, w)
+
+
 # a product form: (weight (out, in), rows (N, in)) -> (N, out)
 PRODUCTS: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
     "mv": lambda w, rows: torch.mv(w, rows[0])[None],  # one row only
     "linear": lambda w, rows: F.linear(rows, w),
     "wxt": lambda w, rows: torch.mm(w, rows.t()).t().contiguous(),  # W·xᵀ (out, N), transposed back
     "dot": _dot,
-    "stream": lambda w, rows: stream_kernel.rows(w, rows),
+    "stream": lambda w, rows: _stream(w, rows),
 }
 ONE_ROW_FORMS = ("mv", "linear", "wxt", "dot", "stream")
 FEW_ROW_FORMS = ("linear", "wxt", "dot", "stream")  # the forms that take several rows; dot where one row takes it

@@ -69,6 +69,39 @@ def test_without_the_dynamic_sizes_every_length_compiles_again(monkeypatch):
     assert graphs() - before >= 3
 
 
+def test_a_step_follows_the_weights_but_not_other_attributes_until_compiled_again():
+    eager, compiled = twins(seed=7, **LLAMA)
+    idx = torch.randint(61, (1, 6), generator=torch.Generator().manual_seed(7))
+    tokens = lambda m: torch.stack(list(m.generate(idx, 10, temperature=0.0)))
+    before = tokens(compiled)
+    with torch.no_grad():  # new values in the same tensors: the graph reads them at every step
+        for m in (eager, compiled):
+            for p in m.parameters():
+                p.mul_(-1.5)
+    assert torch.equal(tokens(compiled), tokens(eager)) and not torch.equal(tokens(eager), before)
+    for m in (eager, compiled):  # new tensors (a cast): their guards hold, the step compiles again
+        m.to(torch.float64)
+    assert torch.equal(tokens(compiled), tokens(eager))
+    for m in (eager, compiled):  # an attribute that is no tensor: as compiled, until compiled again
+        for block in m.blocks:
+            block.ln_1.eps = 10.0
+    stale = tokens(compiled)
+    assert not torch.equal(stale, tokens(eager))
+    compiled.compile_decode()
+    assert torch.equal(tokens(compiled), tokens(eager))
+
+
+def test_the_guard_filter_drops_only_the_models_non_tensor_guards():
+    entry = lambda name, kind: type("Guard", (), {"name": name, "guard_type": kind})()
+    entries = [entry("model._modules['blocks']._modules['0']._modules['ln_1'].eps", "CONSTANT_MATCH"),
+               entry("model", "TYPE_MATCH"),
+               entry("model._modules['wte']._parameters['weight']", "TENSOR_MATCH"),
+               entry("model._modules['lm_head']._parameters['weight']", "DUPLICATE_INPUT"),
+               entry("mask", "CONSTANT_MATCH"), entry("cache[0].k", "TENSOR_MATCH"), entry("past", "TYPE_MATCH"),
+               entry("models", "CONSTANT_MATCH"), entry("", "SHAPE_ENV")]
+    assert decode_step._guards(entries) == [False, False, True, True, True, True, True, True, True]
+
+
 def test_padded_rows_and_eos_decode_as_eager():
     eager, compiled = twins(seed=4, **GPT2)
     idx, mask = left_pad([torch.randint(61, (n,), generator=torch.Generator().manual_seed(n)) for n in (3, 8, 5)])

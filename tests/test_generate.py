@@ -401,6 +401,15 @@ def test_decode_layout_measures_the_stream_kernel_with_the_matrices_in_rows(monk
         model.decode_layout(few_rows="stream")
 
 
+def test_the_stream_form_multiplies_what_its_kernel_does_not_take_by_f_linear():
+    model = scrambled(small()).decode_layout(one_row="stream", few_rows="stream")
+    idx = torch.randint(0, 61, (1, 6))
+    logits = model(idx)[0]
+    model.double()  # float64 after the layout: no kernel for it
+    torch.testing.assert_close(model(idx)[0], logits.double(), rtol=0, atol=1e-5)
+    torch.testing.assert_close(model(idx[:, :1])[0], logits[:, :1].double(), rtol=0, atol=1e-5)
+
+
 def test_decode_layout_measures_the_fastest_form(monkeypatch):
 
     model = scrambled(small())
