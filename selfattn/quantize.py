@@ -43,9 +43,10 @@ class Int8Linear(nn.Module):
         self.register_buffer("scale", scale)  # float32: cast to the activations' dtype per call
         # the few-row kernel: "stream" (selfattn.stream_kernel) where it builds, else "int8pack"
         self.kernel = "stream" if stream_kernel.failure() is None else "int8pack"
-        # int8pack's scales, cast once: a compiled decode step cannot feed the kernel a cast (a .to() of a model
-        # may change this buffer's dtype: the .to(bfloat16) in forward is then a cast, else nothing)
-        self.register_buffer("kernel_scale", scale.to(torch.bfloat16), persistent=False)
+        if self.kernel == "int8pack":  # (only there: a compiled step checks every tensor of the model at each call)
+            # its scales, cast once: a compiled decode step cannot feed the kernel a cast (a .to() of a model
+            # may change this buffer's dtype: the .to(bfloat16) in forward is then a cast, else nothing)
+            self.register_buffer("kernel_scale", scale.to(torch.bfloat16), persistent=False)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
         self.in_features, self.out_features = linear.in_features, linear.out_features
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from selfattn import decode_layout, decode_step
+from selfattn import decode_layout, decode_step, stream_kernel
 from selfattn.model import GPT
 from selfattn.quantize import quantize_int8
 from selfattn.sampling import next_token
@@ -111,10 +111,14 @@ def test_padded_rows_and_eos_decode_as_eager():
     assert torch.equal(runs[1], runs[0]) and (runs[0] == eos).any()
 
 
-def test_int8_weights_decode_compiled():
+@pytest.mark.parametrize("kernel", ["stream", "int8pack"])
+def test_int8_weights_decode_compiled(monkeypatch, kernel):
     eager, compiled = twins(seed=5, **LLAMA)
+    if kernel == "int8pack":  # a machine where the stream kernel does not build
+        monkeypatch.setattr(stream_kernel, "failure", lambda isa=None: "no C++ compiler found")
     quantize_int8(eager), quantize_int8(compiled)
-    compiled.compile_decode()  # the int8 products compile too (the kernel's scales are a buffer)
+    assert {m.kernel for m in compiled.modules() if hasattr(m, "kernel")} == {kernel}
+    compiled.compile_decode()  # the int8 products compile too (int8pack's scales are a buffer)
     idx = torch.randint(61, (1, 6), generator=torch.Generator().manual_seed(5))
     assert torch.equal(torch.stack(list(compiled.generate(idx, 12, temperature=0.0))),
                        torch.stack(list(eager.generate(idx, 12, temperature=0.0))))

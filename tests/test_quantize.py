@@ -14,11 +14,13 @@ from helpers.models import VARIANTS, scrambled, small
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 @pytest.mark.parametrize("rows", [3, KERNEL_ROWS + 1])  # a kernel, then the dequantised weight
 @pytest.mark.parametrize("kernel", ["stream", "int8pack"])
-def test_an_int8_linear_computes_its_dequantised_weight_within_the_rounding_bound(dtype, rows, kernel):
+def test_an_int8_linear_computes_its_dequantised_weight_within_the_rounding_bound(monkeypatch, dtype, rows, kernel):
     torch.manual_seed(0)
     linear = nn.Linear(64, 48).to(dtype)
+    if kernel == "int8pack":  # a machine where the stream kernel does not build
+        monkeypatch.setattr(stream_kernel, "failure", lambda isa=None: "no C++ compiler found")
     q = Int8Linear(linear)
-    q.kernel = kernel
+    assert q.kernel == kernel
     assert q.q.dtype == torch.int8 and q.q.abs().max() <= 127 and q.scale.shape == (48,)
     w = linear.weight.float()
     dequantised = q.q.float() * q.scale.float()[:, None]
