@@ -49,61 +49,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from selfattn import _timing, stream_kernel
-from selfattn._compiling import compile_own
 
 HALF = (torch.bfloat16, torch.float16)
 FEW = 16  # up to this many rows a RowLinear takes its few-row form; more rows F.linear
 MEASURED_ROWS = 8  # the few-row forms are timed at this many rows
-DOT_FROM = 32 * 2 ** 20  # bytes of a dtype's matrices from which "dot" is measured: beyond the caches its
-# faster streaming pays for the kernel it compiles at first use (seconds); below, the BLAS forms serve
-
-
-def _dot_sums(w: Tensor, rows: Tensor) -> Tensor:
-    """``w`` (out, in) times ``rows`` (N, in): ``(N, out)``, each product's terms summed in
-    float32. The loop runs over the matrix rows outside, the N input rows inside, so the matrix
-    streams from memory once whatever N."""
-    return (w.float()[:, None] * rows.float()[None]).sum(-1).t().contiguous().to(rows.dtype)  # (out, N) -> (N, out)
-
-
-@functools.cache
-def _compiled_dot_sums(in_features: int, dtype: torch.dtype) -> Callable[[Tensor, Tensor], Tensor]:
-    """:func:`_dot_sums` compiled for matrix rows of ``in_features`` of ``dtype``, any number of
-    them and of input rows (both dims dynamic: a kernel for one input row, one for several; a
-    row's length fixed, the loop over it runs 1.5x faster than one for any length: GPT-2's
-    matrices in float32, 19.7 against 29.2 ms). Each is a code object of its own
-    (:mod:`selfattn._compiling`): past torch.compile's limit of kernels per code object, the eager
-    product would write the whole ``w · x``."""
-    return compile_own(_dot_sums, f"_dot_sums_{in_features}_{str(dtype).removeprefix('torch.')}", dynamic=False)
-
-
-def _dot(w: Tensor, rows: Tensor) -> Tensor:
-    """The ``dot`` form: ``w`` (out, in) times ``rows`` (N, in) -> (N, out). Inside a compiled
-    decode step (:mod:`selfattn.decode_step`) the sums of one row are traced into its graph;
-    several rows call the kernel of their own (:func:`dot_rows`), which the graph would otherwise
-    turn into a matrix product."""
-    if torch.compiler.is_compiling():
-        return _dot_sums(w, rows) if rows.shape[0] == 1 else dot_rows(w, rows)
-    return _dot_kernel(w, rows)
-
-
-@torch.library.custom_op("selfattn::dot_rows", mutates_args=())
-def dot_rows(w: Tensor, rows: Tensor) -> Tensor:
-    """:func:`_dot` of several rows as an operator a compiled graph calls as it is."""
-    return _dot_kernel(w, rows)
-
-
-@dot_rows.register_fake
-def _(w: Tensor, rows: Tensor) -> Tensor:
-    return rows.new_empty(rows.shape[0], w.shape[0])
-
-
-def _dot_kernel(w: Tensor, rows: Tensor) -> Tensor:
-    w = w.view(w.shape)  # not the parameter itself, whose shape torch.compile would keep static
-    torch._dynamo.mark_dynamic(w, 0)
-    if rows.shape[0] > 1:  # one row has a kernel of its own (torch.compile specialises a size of 1)
-        rows = rows.view(rows.shape)
-        torch._dynamo.mark_dynamic(rows, 0)
-    return _compiled_dot_sums(w.shape[1], w.dtype)(w, rows)
 
 
 def _stream(w: Tensor, rows: Tensor) -> Tensor:
@@ -119,16 +68,15 @@ PRODUCTS: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
     "mv": lambda w, rows: torch.mv(w, rows[0])[None],  # one row only
     "linear": lambda w, rows: F.linear(rows, w),
     "wxt": lambda w, rows: torch.mm(w, rows.t()).t().contiguous(),  # W·xᵀ (out, N), transposed back
-    "dot": _dot,
-    "stream": lambda w, rows: _stream(w, rows),
+    "stream": _stream,
 }
-ONE_ROW_FORMS = ("mv", "linear", "wxt", "dot", "stream")
-FEW_ROW_FORMS = ("linear", "wxt", "dot", "stream")  # the forms that take several rows; dot where one row takes it
+ONE_ROW_FORMS = ("mv", "linear", "wxt", "stream")
+FEW_ROW_FORMS = ("linear", "wxt", "stream")  # the forms that take several rows
 
 
 def stored_in_rows(form: str, dtype: torch.dtype) -> bool:
     """Whether ``form`` reads a matrix of ``dtype`` fastest in (out, in) rows, else in (in, out)."""
-    return form in ("dot", "stream") or dtype in HALF
+    return form == "stream" or dtype in HALF
 
 
 class RowLinear(nn.Linear):
@@ -153,7 +101,7 @@ def decode_layout(model: nn.Module, *, one_row: str | None = None, few_rows: str
     """Store and multiply ``model``'s weights as decoding reads them fastest (see the module
     docstring), in place; returns the model. ``one_row`` and ``few_rows`` name the forms of
     :data:`PRODUCTS` to use; None measures them here (on the CPU, per dtype: for a 135M-parameter
-    model about 2 s, and the first time ``dot`` is compiled in a process a few seconds more;
+    model about 2 s, and the first time on a machine the stream kernel builds, about 10 s more;
     elsewhere ``"mv"`` and ``"linear"``). Idempotent. Meant for inference: the (in, out) order
     slows the token-embedding lookups of training. Call it again after casting the model to
     another dtype (``.to()`` keeps each matrix's order)."""
@@ -183,14 +131,12 @@ def decode_layout(model: nn.Module, *, one_row: str | None = None, few_rows: str
 def fastest_one_row(modules: list[nn.Module], linears: list[nn.Linear]) -> str:
     """The one-row form that multiplies every matrix of ``linears`` fastest, each form timed with
     the matrices (all of ``modules``, one dtype and device) stored in its order: the forms that
-    read one order timed together (:func:`timings`), then all compared. ``dot`` is a candidate
-    from :data:`DOT_FROM` bytes of matrices, where it compiles. Off the CPU, ``"mv"``."""
+    read one order timed together (:func:`timings`), then all compared. ``stream`` is a candidate
+    where its kernel builds. Off the CPU, ``"mv"``."""
     w = linears[0].weight
     if w.device.type != "cpu":
         return "mv"
     forms = ["mv", "linear", "wxt"]
-    if sum(m.weight.numel() for m in linears) * w.element_size() >= DOT_FROM and _dot_failure() is None:
-        forms.append("dot")
     if stream_kernel.failure() is None:
         forms.append("stream")
     median = {}  # form -> seconds
@@ -203,11 +149,10 @@ def fastest_one_row(modules: list[nn.Module], linears: list[nn.Linear]) -> str:
 
 
 def few_row_candidates(one_row: str, dtype: torch.dtype) -> tuple[str, ...]:
-    """The few-row forms measured where ``one_row`` takes one row: the BLAS forms, ``stream`` where
-    the matrices are stored in rows and it builds, ``dot`` where one row takes it (it compiles)."""
-    in_rows = stored_in_rows(one_row, dtype)
-    return (("linear", "wxt") + (("dot",) if one_row == "dot" else ())
-            + (("stream",) if in_rows and stream_kernel.failure() is None else ()))
+    """The few-row forms measured where ``one_row`` takes one row: the BLAS forms, and ``stream``
+    where the matrices are stored in rows (which it reads) and its kernel builds."""
+    stream = stored_in_rows(one_row, dtype) and stream_kernel.failure() is None
+    return ("linear", "wxt") + (("stream",) if stream else ())
 
 
 def fastest(linears: list[nn.Linear], rows: int, forms: tuple[str, ...]) -> str:
@@ -246,23 +191,8 @@ def _store(modules: list[nn.Module], *, in_rows: bool) -> None:
             m.weight.data = w.contiguous() if in_rows else w.t().contiguous().t()
 
 
-@functools.cache
-def _dot_failure() -> str | None:
-    """Why the compiled ``dot`` form cannot run here (None when it can): ``torch.compile`` needs
-    a C++ compiler on the CPU."""
-    try:
-        with torch.inference_mode():  # as decoding calls it
-            _dot(torch.ones(2, 3), torch.ones(1, 3))
-    except Exception as e:  # whatever stopped the compiler: the form is not a candidate here
-        return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-    return None
-
-
 def _failure(form: str) -> str | None:
     """Why ``form`` cannot run here (None when it can)."""
-    if form == "dot":
-        why = _dot_failure()
-        return why and f"it needs torch.compile, which failed here ({why})"
     if form == "stream":
         why = stream_kernel.failure()
         return why and f"its kernel did not build here ({why})"

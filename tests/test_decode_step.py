@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from selfattn import decode_layout, decode_step, stream_kernel
+from selfattn import decode_step, stream_kernel
 from selfattn.model import GPT
 from selfattn.quantize import quantize_int8
 from selfattn.sampling import next_token
@@ -166,13 +166,13 @@ def test_speculative_decoding_compiled_gives_the_eager_tokens_and_rounds():
     assert graphs() > before  # and they ran compiled
 
 
-def test_several_rows_of_the_dot_form_run_their_own_kernel_in_a_compiled_forward(monkeypatch):
+def test_several_rows_of_the_stream_form_run_its_kernel_in_a_compiled_forward(monkeypatch):
     torch.manual_seed(9)
-    eager = scrambled(small(**LLAMA)).decode_layout(one_row="dot", few_rows="dot")
+    eager = scrambled(small(**LLAMA)).decode_layout(one_row="stream", few_rows="stream")
     compiled = copy.deepcopy(eager).compile_decode()
     rows = []
-    kernel = decode_layout._dot_kernel
-    monkeypatch.setattr(decode_layout, "_dot_kernel", lambda w, x: rows.append(len(x)) or kernel(w, x))
+    kernel = stream_kernel.rows
+    monkeypatch.setattr(stream_kernel, "rows", lambda w, x, scale=None: rows.append(len(x)) or kernel(w, x, scale))
     idx = torch.randint(61, (1, 9), generator=torch.Generator().manual_seed(9))
     with torch.inference_mode():
         out = {}
@@ -183,7 +183,7 @@ def test_several_rows_of_the_dot_form_run_their_own_kernel_in_a_compiled_forward
             rows.clear()
             out[name] = forward(idx[:, 5:], None, cache, 5)  # (1, 4, C): four rows through every matrix
             assert rows == [4] * sum(isinstance(m, torch.nn.Linear) for m in model.blocks.modules()), name
-    assert_same_logits(out["compiled"], out["eager"])  # and each ran every matrix through the dot kernel
+    assert_same_logits(out["compiled"], out["eager"])  # and each ran every matrix through the kernel
 
 
 def test_a_sliding_window_layer_is_refused():

@@ -271,9 +271,8 @@ def test_decode_layout_changes_strides_only():
     assert model.blocks[0].mlp.c_fc.weight.stride() == (1, 128)
 
 
-@pytest.mark.parametrize("forms", [("mv", "linear"), ("linear", "wxt"), ("wxt", "wxt"), ("dot", "linear"),
-                                   ("dot", "wxt"), ("dot", "dot"), ("dot", "stream"), ("stream", "linear"),
-                                   ("stream", "stream"), (None, None)])
+@pytest.mark.parametrize("forms", [("mv", "linear"), ("linear", "wxt"), ("wxt", "wxt"), ("stream", "linear"),
+                                   ("stream", "wxt"), ("stream", "stream"), (None, None)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decode_layout_computes_the_same_whatever_products_it_takes(dtype, forms):
     model = scrambled(small(**VARIANTS["llama-shaped"])).to(dtype)
@@ -287,7 +286,7 @@ def test_decode_layout_computes_the_same_whatever_products_it_takes(dtype, forms
     assert all(m.one_row == (one_row or linears[0].one_row) and m.few_rows == (few_rows or linears[0].few_rows)
                for m in linears)  # one choice per dtype
     w = model.blocks[0].attn.qkv.weight
-    in_rows = dtype != torch.float32 or one_row in ("dot", "stream")  # the BLAS forms read float32 in (in, out)
+    in_rows = dtype != torch.float32 or one_row == "stream"  # the BLAS forms read float32 in (in, out) order
     assert w.is_contiguous() if in_rows else w.t().is_contiguous()
     tol = 1e-5 if dtype == torch.float32 else 3e-2 * logits.abs().max().item()
     torch.testing.assert_close(model(idx)[0], logits, rtol=0, atol=tol)  # 18 rows: F.linear
@@ -329,70 +328,19 @@ def slowed(form):
     return lambda w, rows: time.sleep(2e-3) or product(w, rows)
 
 
-def test_decode_layout_measures_the_compiled_dot_form_with_the_matrices_in_rows(monkeypatch):
-    model = scrambled(small())
-    matrices = lambda: [m.weight for m in model.modules() if isinstance(m, (nn.Linear, nn.Embedding))]
-    model.decode_layout()  # a small model's matrices stay in the caches: dot is no candidate for them
-    assert model.lm_head.one_row != "dot" and all(w.t().is_contiguous() for w in matrices())
-    monkeypatch.setattr(decode_layout, "DOT_FROM", 0)
-    for form in ("mv", "linear", "wxt", "stream"):
-        monkeypatch.setitem(decode_layout.PRODUCTS, form, slowed(form))
-    model.decode_layout()
-    assert model.lm_head.one_row == "dot" and all(w.is_contiguous() for w in matrices())  # rows, embeddings too
-    assert model.lm_head.few_rows == "dot"  # the few-row form too: linear, wxt and stream were slowed
-    monkeypatch.setitem(decode_layout.PRODUCTS, "dot", slowed("dot"))
-    monkeypatch.setitem(decode_layout.PRODUCTS, "mv", lambda w, rows: torch.mv(w, rows[0])[None])
-    model.decode_layout()  # control: mv measured fastest, the float32 matrices back in (in, out) order
-    assert model.lm_head.one_row == "mv" and all(w.t().is_contiguous() for w in matrices())
-    assert model.lm_head.few_rows not in ("dot", "stream")  # they read rows, which mv leaves in (in, out)
-
-
-def test_dot_compiles_a_kernel_per_row_length_and_dtype_and_passes_gradients():
-    from torch._dynamo.utils import counters
-    before = counters["stats"]["unique_graphs"]
-    shapes = ((40, 24), (24, 24), (96, 24), (24, 48), (61, 24), (72, 32), (32, 96), (128, 32), (7, 5))
-    with torch.inference_mode():
-        for dtype in (torch.float32, torch.bfloat16):
-            for shape in shapes:
-                w = nn.Parameter(torch.randn(shape, dtype=dtype))  # a parameter's shape: static unless viewed
-                for rows in (1, 3, 5):
-                    x = torch.randn(rows, shape[1], dtype=dtype)
-                    torch.testing.assert_close(decode_layout.PRODUCTS["dot"](w, x), F.linear(x, w),
-                                               rtol=0, atol=1e-5 if dtype == torch.float32 else 3e-2)
-    lengths = len({shape[1] for shape in shapes})
-    assert counters["stats"]["unique_graphs"] - before <= 2 * 2 * lengths  # a kernel per row length and dtype
-    # for one row and one for several, not one per shape (54; and past 8 of one code object torch.compile
-    # falls back to the eager product)
-    w, x = nn.Parameter(torch.randn(12, 8)), torch.randn(1, 8)
-    decode_layout.PRODUCTS["dot"](w, x).square().sum().backward()
-    torch.testing.assert_close(w.grad, torch.autograd.grad(F.linear(x, w).square().sum(), w)[0])
-
-
-def test_without_a_compiler_dot_is_no_candidate_and_naming_it_says_why(monkeypatch):
-    def no_compiler(*args):
-        raise RuntimeError("no C++ compiler found\nmore lines")
-
-    monkeypatch.setattr(decode_layout, "_compiled_dot_sums", lambda *kernel: no_compiler)
-    monkeypatch.setattr(decode_layout, "DOT_FROM", 0)
-    decode_layout._dot_failure.cache_clear()
-    try:
-        model = scrambled(small()).decode_layout()
-        assert model.lm_head.one_row in ("mv", "linear", "wxt")
-        with pytest.raises(ValueError, match=re.escape("one_row='dot' cannot run: it needs torch.compile, which "
-                                                       "failed here (RuntimeError: no C++ compiler found)")):
-            model.decode_layout(one_row="dot")
-    finally:
-        decode_layout._dot_failure.cache_clear()
-
-
 def test_decode_layout_measures_the_stream_kernel_with_the_matrices_in_rows(monkeypatch):
     model = scrambled(small())
     matrices = lambda: [m.weight for m in model.modules() if isinstance(m, (nn.Linear, nn.Embedding))]
     for form in ("mv", "linear", "wxt"):
         monkeypatch.setitem(decode_layout.PRODUCTS, form, slowed(form))
-    model.decode_layout()  # a small model: dot is no candidate; the kernel is, whatever the size
+    model.decode_layout()
     assert (model.lm_head.one_row, model.lm_head.few_rows) == ("stream", "stream")
-    assert all(w.is_contiguous() for w in matrices())  # rows, which the kernel streams
+    assert all(w.is_contiguous() for w in matrices())  # rows, embeddings too: the kernel streams rows
+    monkeypatch.setitem(decode_layout.PRODUCTS, "stream", slowed("stream"))
+    monkeypatch.setitem(decode_layout.PRODUCTS, "mv", lambda w, rows: torch.mv(w, rows[0])[None])
+    model.decode_layout()  # control: mv measured fastest, the float32 matrices back in (in, out) order
+    assert model.lm_head.one_row == "mv" and all(w.t().is_contiguous() for w in matrices())
+    assert model.lm_head.few_rows != "stream"  # it reads rows, which mv leaves in (in, out)
     monkeypatch.setattr(stream_kernel, "failure", lambda isa=None: "no C++ compiler found")
     model.decode_layout()  # control: a machine where the kernel does not build keeps PyTorch's forms
     assert model.lm_head.one_row in ("mv", "linear", "wxt") and model.lm_head.few_rows in ("linear", "wxt")
@@ -424,10 +372,9 @@ def test_decode_layout_measures_the_fastest_form(monkeypatch):
     assert (model.lm_head.one_row, model.lm_head.few_rows) == ("linear", "linear")
 
 
-@pytest.mark.parametrize("kw, words", [(dict(one_row="gemv"), "one_row must be one of 'mv', 'linear', 'wxt', 'dot', "
-                                                               "'stream'"),
-                                       (dict(few_rows="mv"), "few_rows must be one of 'linear', 'wxt', 'dot', 'stream' "
-                                                             "or None (measured), got 'mv'")])
+@pytest.mark.parametrize("kw, words", [(dict(one_row="gemv"), "one_row must be one of 'mv', 'linear', 'wxt', 'stream'"),
+                                       (dict(few_rows="mv"), "few_rows must be one of 'linear', 'wxt', 'stream' or None"
+                                                             " (measured), got 'mv'")])
 def test_decode_layout_names_a_product_it_does_not_know(kw, words):
     with pytest.raises(ValueError, match=re.escape(words)):
         scrambled(small()).decode_layout(**kw)

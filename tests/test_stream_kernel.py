@@ -88,8 +88,9 @@ def test_the_kernel_names_what_it_cannot_multiply():
         stream_kernel.load("sse9")
 
 
-@pytest.mark.parametrize("capability, sets", [("AVX512", ("avx512", "avx2", "baseline")), ("AVX2", ("avx2", "baseline")),
-                                              ("DEFAULT", ("baseline",)), ("SVE256", ("baseline",))])
+@pytest.mark.parametrize("capability, sets", [("AVX512", ("avx512", "avx2", "baseline")),
+                                              ("AVX2", ("avx2", "baseline")), ("DEFAULT", ("baseline",)),
+                                              ("SVE256", ("baseline",))])
 def test_the_builds_follow_what_the_cpu_runs(capability, sets):
     assert stream_kernel.instruction_sets(capability) == sets
 
