@@ -51,6 +51,7 @@ import torch
 from torch import Tensor, nn
 
 from selfattn._compiling import compile_own
+from selfattn.backends import sdpa
 from selfattn.kv_cache import KVCache
 
 # the arguments whose sizes change with the cached positions and the tokens fed, as torch.compile names them
@@ -101,11 +102,21 @@ class CompiledDecode:
         why = unsupported(model)
         if why is not None:
             raise ValueError(f"compile_decode: {why}; decode this model without it")
-        self.model, self.number, self.runs = model, next(_models), {}
+        self.model, self.number, self.runs, self.decided = model, next(_models), {}, set()
         self._step = _compile(_step, f"decode_step_{self.number}")
+
+    def _decide(self) -> None:
+        """What a graph decides by measuring, measured before it is traced for the model's dtype:
+        whether a decoded token attends in float32 (:func:`selfattn.backends.sdpa.decide_compiled`)."""
+        w = self.model.wte.weight
+        if w.dtype not in self.decided:
+            for heads in {(b.attn.n_head, b.attn.n_kv_head, b.attn.head_dim) for b in self.model.blocks}:
+                sdpa.decide_compiled(w.dtype, *heads, w.device)
+            self.decided.add(w.dtype)
 
     def step(self, idx: Tensor, mask: Tensor | None, cache: Sequence[KVCache], past: int) -> Tensor:
         """Logits ``(B, V)`` after ``idx`` ``(B, 1)`` (``GPT._next_logits``), compiled."""
+        self._decide()
         with _compiling():
             return self._step(self.model, idx, mask, cache, past)
 
@@ -116,6 +127,7 @@ class CompiledDecode:
         run = self.runs.get((start, stop))
         if run is None:
             run = self.runs[start, stop] = _compile(_run, f"decode_run_{self.number}_{start}_{stop}")
+        self._decide()
         with _compiling():
             return run(self.model, idx, mask, cache, past, start, stop, x)
 

@@ -13,7 +13,10 @@ On a 2-core AMD EPYC (AVX-512, AVX512-BF16, no AMX), one bfloat16 query of SmolL
 (medians of 200): over 16 keys 27 us in bfloat16 against 33 in float32 with the casts, over 128
 108 against 60, over 512 399 against 121, over 2048 1614 against 1878; an AMX Xeon attended 512
 keys in 23 us in bfloat16. The float32 result, rounded to the dtype, is the closer one to the
-exact attention.
+exact attention. A compiled decode step serves every number of keys with one graph, so it takes
+one choice, measured before it compiles over :data:`COMPILED_KEYS` keys (:func:`decide_compiled`,
+which :mod:`selfattn.decode_step` calls): SmolLM2's bfloat16 step over 512 cached keys on the EPYC
+took 28 ms in bfloat16 SDPA (13 of them attention) before it did.
 """
 from __future__ import annotations
 
@@ -69,11 +72,29 @@ def _sdpa(q: Tensor, k: Tensor, v: Tensor, scale: float, dropout_p: float, *, at
                                           scale=scale, enable_gqa=q.shape[1] != k.shape[1])
 
 
+COMPILED_KEYS = 512  # the keys a compiled graph's choice is measured over: a prompt and an answer of some length
+# (dtype, heads, kv_heads, head_dim) -> whether compiled graphs attend a decoded token of these heads in float32
+COMPILED_IN_FLOAT32: dict[tuple[torch.dtype, int, int, int], bool] = {}
+
+
 def _attends_in_float32(q: Tensor, k: Tensor) -> bool:
     """A half-precision query on a CPU that attends one query of these heads over about as many
-    keys faster in float32 (measured once per such request, keys rounded up to a power of 2)."""
-    return (q.device.type == "cpu" and half(q.dtype) and not torch.compiler.is_compiling()
-            and one_query_in_float32(q.dtype, q.shape[1], k.shape[1], q.shape[3], 1 << (k.shape[2] - 1).bit_length()))
+    keys faster in float32 (measured once per such request, keys rounded up to a power of 2;
+    traced by torch.compile, as :func:`decide_compiled` measured)."""
+    if q.device.type != "cpu" or not half(q.dtype):
+        return False
+    if torch.compiler.is_compiling():
+        return COMPILED_IN_FLOAT32.get((q.dtype, q.shape[1], k.shape[1], q.shape[3]), False)
+    return one_query_in_float32(q.dtype, q.shape[1], k.shape[1], q.shape[3], 1 << (k.shape[2] - 1).bit_length())
+
+
+def decide_compiled(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int, device: torch.device) -> None:
+    """Measure, before a graph is compiled, whether its decoded tokens of these heads attend faster
+    in float32 (over :data:`COMPILED_KEYS` keys); graphs traced afterwards follow it. Once per
+    process for each; nothing to measure off the CPU or in float32."""
+    key = (dtype, heads, kv_heads, head_dim)
+    if torch.device(device).type == "cpu" and half(dtype) and key not in COMPILED_IN_FLOAT32:
+        COMPILED_IN_FLOAT32[key] = one_query_in_float32(dtype, heads, kv_heads, head_dim, COMPILED_KEYS)
 
 
 @functools.cache

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 
 from selfattn import attention
 from selfattn.backends import sdpa
+from tests.helpers.models import scrambled, small
 
 
 def _decoded_token(dtype, keys=40):
@@ -67,3 +68,29 @@ def test_the_measurement_is_of_the_requests_heads_and_its_keys_rounded_up_to_a_p
     for keys in (40, 64, 65):
         attention(*_decoded_token(torch.bfloat16, keys), backend="sdpa")
     assert asked == [(torch.bfloat16, 6, 3, 16, 64), (torch.bfloat16, 6, 3, 16, 64), (torch.bfloat16, 6, 3, 16, 128)]
+
+
+@pytest.mark.parametrize("faster", [False, True], ids=["half-faster", "float32-faster"])
+def test_a_compiled_graph_takes_the_choice_measured_before_it_compiled(monkeypatch, faster):
+    monkeypatch.setattr(sdpa, "COMPILED_IN_FLOAT32", {})
+    monkeypatch.setattr(sdpa, "one_query_in_float32", lambda *request: faster)
+    sdpa.decide_compiled(torch.bfloat16, 6, 3, 16, torch.device("cpu"))
+    sdpa.decide_compiled(torch.float32, 6, 3, 16, torch.device("cpu"))  # float32: nothing to decide
+    assert sdpa.COMPILED_IN_FLOAT32 == {(torch.bfloat16, 6, 3, 16): faster}
+    q, k, v = _decoded_token(torch.bfloat16)
+    compiled = torch.compile(lambda q, k, v: attention(q, k, v, backend="sdpa"), fullgraph=True)
+    out = compiled(q, k, v)  # one graph, whatever the keys: the choice made before, not measured while tracing
+    in_float32 = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), enable_gqa=True).to(torch.bfloat16)
+    in_half = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    torch.testing.assert_close(out, in_float32 if faster else in_half, rtol=0, atol=0)
+
+
+def test_a_compiled_decode_step_measures_its_heads_before_it_compiles(monkeypatch):
+    monkeypatch.setattr(sdpa, "COMPILED_IN_FLOAT32", {})
+    asked = []
+    monkeypatch.setattr(sdpa, "one_query_in_float32", lambda *request: asked.append(request) or True)
+    model = scrambled(small(pos="rope", n_kv_head=2)).to(torch.bfloat16).compile_decode()
+    list(model.generate(torch.randint(61, (1, 5)), 3, temperature=0))
+    heads = (model.blocks[0].attn.n_head, model.blocks[0].attn.n_kv_head, model.blocks[0].attn.head_dim)
+    assert asked == [(torch.bfloat16, *heads, sdpa.COMPILED_KEYS)]  # once, over COMPILED_KEYS keys
+    assert sdpa.COMPILED_IN_FLOAT32 == {(torch.bfloat16, *heads): True}
