@@ -6,28 +6,25 @@ for a few rows. That depends on the dtype, the order the matrix is stored in, th
 call and the machine. Milliseconds for all of SmolLM2-135M's matrices, one row, in the storage
 order below, on two 2-core machines:
 
-    rows 1:            torch.mv  F.linear  W·xᵀ   dot     8: F.linear  W·xᵀ
+    rows 1:            torch.mv  F.linear  W·xᵀ  stream    8: F.linear  W·xᵀ  stream
     Xeon (AVX-512, AVX512-BF16, AMX)
-      float32              21.6      20.0    20.2    -          46.0    84.0
-      bfloat16             16.5      23.1    23.5    -          23.2    15.7
+      float32              21.6      20.0    20.2     -         46.0    84.0     -
+      bfloat16             16.5      23.1    23.5     -         23.2    15.7     -
     EPYC (AVX-512, AVX512-BF16)
-      float32              38.5      36.3     -     26.4        89.5      -
-      bfloat16             41.4      38.9    36.8   20.7        31.0    38.4
+      float32              35.8      36.6    36.1    29.9       78.9   372.4    40.4
+      bfloat16             29.4      22.5    22.5    16.5       26.3    31.5    30.1
+
+(The Xeon's row is from before the stream kernel; the EPYC's from one process on 2026-12-04.)
 
 ``W·xᵀ`` is ``torch.mm(weight, rows.T).T``: the same product with the matrix as the first
-operand, which sends bfloat16 to another kernel. ``dot`` is one dot product per matrix row in
-float32 (``(W · x).sum(-1)``), a loop that ``torch.compile`` writes for this CPU: on the EPYC it
-streams float32 at 20 GB/s where the BLAS matrix-vector kernels reach 13. It takes several rows
-too (a speculative verification), the matrix rows in the outer loop and the input rows inside,
-so that the matrix streams once: for SmolLM2's matrix shapes in float32 on the EPYC, 2, 4, 8 and
-16 rows took 14.3, 18.7, 31.6 and 68.4 ms against ``F.linear``'s 45.0, 48.8, 44.6 and 59.4 (one
-run, random matrices in rows); it is a few-row candidate where one row takes ``dot``, whose
-order it reads. ``stream`` is :mod:`selfattn.stream_kernel`'s C++ kernel: one pass over the
-matrix rows for every input row, each entry widened to float32 as it streams past (one row of
-SmolLM2's matrices on the EPYC, in the same process: bfloat16 11.5 ms, float32 26.7, int8 7.8; a
-whole compiled decode step in bfloat16 14.5 ms against 16.7 with ``dot``, float32 22.7 against
-22.1). It is a candidate wherever it builds, whatever the matrices' size (it builds once per machine),
-for one row and for a few where the matrices are stored in rows.
+operand, which sends bfloat16 to another kernel. ``stream`` is :mod:`selfattn.stream_kernel`'s C++
+kernel, built on first use for this CPU's vectors: one pass over the matrix rows for all the input
+rows, each entry widened to float32 as it streams past (the BLAS matrix-vector kernels of the EPYC
+stream float32 at 13-18 GB/s, where a sum of the same bytes runs at 24-31). It is a candidate
+wherever it builds, whatever the matrices' size, for one row and, where the matrices are stored in
+rows, for a few. (It replaced a dot product per matrix row that ``torch.compile`` wrote for the
+CPU: as fast in a compiled float32 step, slower in bfloat16 and for several rows, and compiled
+anew in every process for every row length.)
 The fastest form differs between dtypes and machines, so :func:`decode_layout`
 measures the forms on the model's own matrices, for one row and for :data:`MEASURED_ROWS` rows,
 and every ``nn.Linear`` becomes a :class:`RowLinear`, which multiplies one row and up to
@@ -35,7 +32,7 @@ and every ``nn.Linear`` becomes a :class:`RowLinear`, which multiplies one row a
 
 Storage order. The BLAS forms read float32 matrices in the (in, out) order (GPT-2's Conv1D;
 GPT-2 small decoded about 1.3x faster than in ``nn.Linear``'s (out, in) order) and half-precision
-ones in (out, in) rows; ``dot`` reads rows. Every matrix of a dtype (embeddings too: a tied head
+ones in (out, in) rows; ``stream`` reads rows. Every matrix of a dtype (embeddings too: a tied head
 is one) is stored in the order of its one-row form. Values, shapes and ``state_dict`` are
 unchanged; the forms round alike up to the order of their sums.
 """

@@ -359,7 +359,7 @@ class GPT(nn.Module):
 
         Shapes, values and ``state_dict`` are unchanged: every ``nn.Linear`` multiplies one row
         and a few rows by the product forms measured fastest here for its dtype (``torch.mv``,
-        ``F.linear``, ``W·xᵀ`` or a compiled dot product per row; or the ones named by ``one_row``
+        ``F.linear``, ``W·xᵀ`` or the C++ stream kernel; or the ones named by ``one_row``
         and ``few_rows``: see :mod:`selfattn.decode_layout`), the matrices stored in the memory
         order the one-row form reads.
         Meant for inference: it slows the token-embedding lookups of training.
