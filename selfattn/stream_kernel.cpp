@@ -11,7 +11,8 @@
 // alone or in a batch of rows (a speculative verification sums a token as a decode step does).
 //
 // Written with GCC/Clang vector extensions: one source for every instruction set; the build picks
-// it (AVX-512, AVX2 or the compiler's baseline). Only widening int8 and float16 needs intrinsics.
+// it (AVX-512, AVX2 or the compiler's baseline). Intrinsics only where GCC's generic code was slow
+// or loose: widening int8, float16 and (AVX-512) bfloat16, and the fused multiply-add.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
