@@ -18,15 +18,16 @@ peers' agreement with ours is recorded. Per row: tokens/s, x plain, tokens per v
 forward (tokens / forwards after the prefill), and the fraction of the memory roofline: plain
 decoding reads the weights plus the cache once per token (:func:`selfattn.bench.decode.roofline`),
 so bytes per token x tokens/s over the streaming bandwidth measured in this run; a speculative
-row can pass 1.0, which is the point. The prompt's forward (our ``generate`` of one token, timed
-with the rows) is the same in every row of ours and speculation cannot shorten it; our rows
-also give the decoding alone: the tokens after the first over the time after that forward
-(``decode x plain``).
+row can pass 1.0, which is the point. The prompt's forward (each run's time to its first token) is
+the same work in every row of ours and speculation cannot shorten it; our rows also give the
+decoding alone: the tokens after the first over the median of each run's time after its first
+token (``decode x plain``).
 """
 from __future__ import annotations
 
 import copy
 import functools
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -40,7 +41,6 @@ from selfattn.speculative import Speculative
 
 OURS = ("plain", "lookup", "self")
 PEERS = ("hf-plain", "hf-lookup")
-PREFILL = "prefill"  # timed with the rows: our generate of one token, the prompt's forward
 EDIT_SOURCE = '''import math
 from dataclasses import dataclass
 
@@ -173,15 +173,22 @@ def _workload(models: dict[str, GPT], hf, hf_missing, idx, eos, N: int, settings
     ``models``: ``{"": the model, " compiled": its compiled copy}``, the row names' suffixes."""
     n, stop = settings.new_tokens, eos[0] if eos else None
     fns, specs, rows_of = {}, {}, {}  # by row name: the run, its Speculative, (impl, compiled)
+    firsts = {}  # by row name of ours: each run's seconds to its first token, the prompt's forward
 
-    def ours(model, spec):
-        out = list(model.generate(idx, n, temperature=0, eos_token=stop, speculative=spec))
+    def ours(name, model, spec):
+        out, start = [], time.perf_counter()
+        for tok in model.generate(idx, n, temperature=0, eos_token=stop, speculative=spec):
+            if not out:
+                common.sync(device)
+                firsts[name].append(time.perf_counter() - start)
+            out.append(tok)
         return torch.stack(out, 1)  # (1, n or fewer)
 
     for suffix, model in models.items():
         for impl, how in (("plain", None), ("lookup", "lookup"), (f"self:{N}", f"self:{N}")):
             spec = None if how is None else Speculative(how)
-            fns[impl + suffix] = functools.partial(ours, model, spec)
+            fns[impl + suffix] = functools.partial(ours, impl + suffix, model, spec)
+            firsts[impl + suffix] = []
             specs[impl + suffix], rows_of[impl + suffix] = spec, (impl, bool(suffix))
     if hf is not None:
         def theirs(**kw):
@@ -191,7 +198,6 @@ def _workload(models: dict[str, GPT], hf, hf_missing, idx, eos, N: int, settings
         fns["hf-plain"] = theirs
         fns["hf-lookup"] = lambda: theirs(prompt_lookup_num_tokens=settings.lookup_tokens)
     plain, outs = fns["plain"](), {}  # the warm-up, and the tokens every row of ours must give
-    fns[PREFILL] = lambda: list(models[""].generate(idx, 1, temperature=0))  # the prompt's forward, and a token
     for name, fn in fns.items():  # the warm-up of every row: the compiled ones compile here
         got = outs[name] = fn()
         if name in rows_of and not torch.equal(got, plain):
@@ -201,12 +207,13 @@ def _workload(models: dict[str, GPT], hf, hf_missing, idx, eos, N: int, settings
         if spec is not None:
             spec.stats = type(spec.stats)()  # count the timed runs only
     times, _ = common.interleaved(fns, device, warmup=0, reps=settings.reps)
-    prefill = common.median(times.pop(PREFILL))
+    prefill = {name: ts[-settings.reps:] for name, ts in firsts.items()}  # the timed runs' times to a token
+    after = {name: common.median([t - f for t, f in zip(times[name], prefill[name])])
+             for name in rows_of}  # each timed run's seconds after its first token
     tokens = plain.shape[1]
     per_token = roofline(models[""], 1, idx.shape[1], max(tokens, 2))["bytes_per_step"]
     rate = {name: tokens / common.median(ts) for name, ts in times.items()}
-    decode_rate = {name: (tokens - 1) / max(common.median(ts) - prefill, 1e-9)  # ours: after our prefill
-                   for name, ts in times.items() if name in rows_of}
+    decode_rate = {name: (tokens - 1) / after[name] for name in rows_of}
     rows = []
     for name, ts in times.items():
         impl, compiled = rows_of.get(name, (name, False))
@@ -216,7 +223,7 @@ def _workload(models: dict[str, GPT], hf, hf_missing, idx, eos, N: int, settings
                "x_plain": rate[name] / rate[base], "bytes_per_token": per_token,
                "roofline_fraction": per_token * rate[name] / (bandwidth["gbps"] * 1e9)}
         if name in rows_of:  # the tokens after the first, over the time after our prefill
-            row |= {"prefill_s": prefill, "decode_tokens_per_s": decode_rate[name],
+            row |= {"prefill_s": common.median(prefill[name]), "decode_tokens_per_s": decode_rate[name],
                     "decode_x_plain": decode_rate[name] / decode_rate[base]}
         if specs.get(name) is not None:
             stats = specs[name].stats
