@@ -47,14 +47,17 @@ and left padding behave as in plain decoding. The stream yields a token for ever
 as every row has one, and treats ``eos_token`` as plain decoding does.
 
 The draft length adapts: it grows by 2 (up to ``max_k``) after a round where every draft stood
-and shrinks by 1 (down to 1) after one with a rejection. When even a single draft misses, the
-next rounds draft nothing (a plain step each, one token through the model) for 1, 4, 16, ... up
-to ``MAX_PAUSE`` rounds, quadrupling as long as the misses go on, until a round where every
-draft stands. Prompt lookup also drafts nothing where no run of ``ngram`` tokens agrees. So a
-drafter that keeps missing costs little more than plain decoding: SmolLM2's first 7 blocks,
-whose drafts never stand, cost 4% over 256 tokens with these pauses, 6% with pauses doubling
-(a simulation from the measured forward costs; quadrupling left the edit workload's prompt
-lookup as fast).
+and shrinks by 1 (down to 1) after one with a rejection; to 1 at once after a round where no
+draft stood when each draft cost a forward (early blocks, a draft model: SmolLM2's first 7
+blocks on a chat answer, eager, 0.97x plain decoding against 0.94x shrinking by 1; a miss of
+prompt lookup's free drafts costs only their place in the verification). When even a single
+draft misses, the next rounds draft nothing (a plain step each, one token through the model) for
+1, 4, 16, ... up to ``MAX_PAUSE`` rounds, quadrupling as long as the misses go on, until a round
+where every draft stands. Prompt lookup also drafts nothing where no run of ``ngram`` tokens
+agrees. So a drafter that keeps missing costs little more than plain decoding: SmolLM2's first 7
+blocks, whose drafts never stand, cost 4% over 256 tokens with these pauses, 6% with pauses
+doubling (a simulation from the measured forward costs; quadrupling left the edit workload's
+prompt lookup as fast).
 """
 from __future__ import annotations
 
@@ -212,7 +215,10 @@ class _Drafter:
     """What every drafter does: ``draft`` a round, have the model ``verify`` it in one forward
     (logits ``(B, m, V)``), ``truncate`` whatever cache of its own to the kept positions. A
     round that feeds one token (nothing drafted) is a plain decode step, compiled as plain
-    decoding's when the model is (:meth:`~selfattn.model.GPT.compile_decode`)."""
+    decoding's when the model is (:meth:`~selfattn.model.GPT.compile_decode`).
+    ``forwards_per_draft``: whether each drafted token costs a forward (of a draft model or of
+    early blocks); after a round where none stood, such a drafter drafts one token, not one fewer."""
+    forwards_per_draft = True
 
     def __init__(self, model: nn.Module):
         self.model, self.hidden = model, _hidden(model)
@@ -236,6 +242,7 @@ class _Lookup(_Drafter):
     tokens whose last ones agree longest with the row's last ones. A copy that has held for
     ``run`` tokens is drafted for as many more (and up to the round's length); a run shorter
     than ``ngram`` drafts nothing."""
+    forwards_per_draft = False
 
     def __init__(self, model: nn.Module, ngram: int, reach: int):
         super().__init__(model)
@@ -443,6 +450,8 @@ def decode(model: nn.Module, spec: Speculative, idx: Tensor, max_new_tokens: int
             k, backoff = min(spec.max_k, k + 2), 1
         elif drafted and accepted == 0 and k == 1:  # a single draft missed: plain steps for a while
             pause, backoff = backoff, min(4 * backoff, MAX_PAUSE)
+        elif drafted and accepted == 0 and drafter.forwards_per_draft:  # drafts that cost forwards: one next
+            k = 1
         elif drafted:
             k = max(1, k - 1)
         L += int(v.min())
