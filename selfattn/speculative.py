@@ -436,8 +436,13 @@ def decode(model: nn.Module, spec: Speculative, idx: Tensor, max_new_tokens: int
                 return
         rnd = drafter.draft(seq, lens, L, 1 if pause else min(k + 1, end - 1 - L), start, mask, sample)
         pause = max(0, pause - 1)
-        v, new, stood = _judge(drafter.verify(rnd, cache, mask), rnd, sample)
+        logits = drafter.verify(rnd, cache, mask)  # (B, m, V)
         stats.forwards += 1
+        if rnd.m == 1:  # nothing drafted: a plain step, the next token of every row that lacks one
+            seq[:, L + 1] = torch.where(lens > L + 1, seq[:, L + 1], next_token(logits[:, 0], **sample))
+            lens, L = lens.clamp(min=L + 2), L + 1  # the caches hold L + 1 positions: nothing to truncate
+            continue
+        v, new, stood = _judge(logits, rnd, sample)
         m, rows = rnd.m, torch.arange(B, device=device)
         keep = torch.arange(m, device=device) < v[:, None]  # (B, m) the fed tokens each row keeps
         seq[:, L:L + m] = torch.where(keep & ~rnd.forced, rnd.tokens, seq[:, L:L + m])
