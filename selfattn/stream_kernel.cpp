@@ -11,8 +11,9 @@
 // alone or in a batch of rows (a speculative verification sums a token as a decode step does).
 //
 // Written with GCC/Clang vector extensions: one source for every instruction set; the build picks
-// it (AVX-512, AVX2 or the compiler's baseline). Intrinsics only where GCC's generic code was slow
-// or loose: widening int8, float16 and (AVX-512) bfloat16, and the fused multiply-add.
+// it (AVX-512 with or without AVX512-BF16, AVX2 or the compiler's baseline). Intrinsics only where
+// GCC's generic code was slow or loose: widening int8, float16 and (AVX-512) bfloat16, the fused
+// multiply-add, and AVX512-BF16's pair products for bfloat16 rows x a bfloat16 matrix.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -151,17 +152,60 @@ inline void dot(const W* w, const float* x, int64_t in, float* sums) {
   }
 }
 
-template <int Rows, typename W>
-inline void block(const W* w, const float* x, int64_t in, float* sums, int rows) {
+#if defined(__AVX512BF16__)
+// bfloat16 rows x a bfloat16 matrix where the CPU has AVX512-BF16: vdpbf16ps takes a vector of 16
+// pairs of each, multiplies them exactly, adds each pair's two products into the float32 sum of its
+// lane (denormals flushed), with no widening: the same sums as dot's for 16 lanes of runs of 2L.
+constexpr int P = 2 * L;  // entries per vector
+
+inline __m512bh pairs(const c10::BFloat16* p) {
+  return (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(p));
+}
+
+template <int Rows>
+inline void dot(const c10::BFloat16* w, const c10::BFloat16* x, int64_t in, float* sums) {
+  __m512 acc[Rows][S];
+#pragma GCC unroll 4
+  for (int r = 0; r < Rows; ++r) {
+#pragma GCC unroll 4
+    for (int s = 0; s < S; ++s) acc[r][s] = _mm512_setzero_ps();
+  }
+  int64_t k = 0;
+  const auto run = [&](auto s) {  // the run of P entries at k into partial sum s
+    const __m512bh wv = pairs(w + k);
+#pragma GCC unroll 4
+    for (int r = 0; r < Rows; ++r) acc[r][s] = _mm512_dpbf16_ps(acc[r][s], wv, pairs(x + r * in + k));
+    k += P;
+  };
+  while (k + S * P <= in) {
+    run(std::integral_constant<int, 0>{});
+    run(std::integral_constant<int, 1>{});
+    run(std::integral_constant<int, 2>{});
+    run(std::integral_constant<int, 3>{});
+  }
+  static_assert(S == 4, "three leftover runs at most");
+  if (k + P <= in) run(std::integral_constant<int, 0>{});
+  if (k + P <= in) run(std::integral_constant<int, 1>{});
+  if (k + P <= in) run(std::integral_constant<int, 2>{});
+#pragma GCC unroll 4
+  for (int r = 0; r < Rows; ++r) {
+    sums[r] = sum_lanes((f32x16)_mm512_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]), _mm512_add_ps(acc[r][2], acc[r][3])));
+    for (int64_t j = k; j < in; ++j) sums[r] += static_cast<float>(w[j]) * static_cast<float>(x[r * in + j]);  // fewer than P
+  }
+}
+#endif
+
+template <int Rows, typename W, typename X>
+inline void block(const W* w, const X* x, int64_t in, float* sums, int rows) {
   if constexpr (Rows > 1) {
     if (rows < Rows) return block<Rows - 1>(w, x, in, sums, rows);
   }
   dot<Rows>(w, x, in, sums);
 }
 
-// y (N, out), written as Y; x already float32 (N, in)
-template <typename W, typename Y>
-void products(const W* w, const float* x, const float* scale, Y* y, int64_t n, int64_t out, int64_t in) {
+// y (N, out), written as Y; x (N, in) float32, or bfloat16 for dot's pairs
+template <typename W, typename X, typename Y>
+void products(const W* w, const X* x, const float* scale, Y* y, int64_t n, int64_t out, int64_t in) {
   const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(in, 1));  // matrix rows per task: 64 K entries
   at::parallel_for(0, out, grain, [&](int64_t begin, int64_t end) {
     float sums[R];
@@ -176,8 +220,8 @@ void products(const W* w, const float* x, const float* scale, Y* y, int64_t n, i
   });
 }
 
-template <typename W>
-void products_into(const W* w, const float* x, const float* scale, at::Tensor& y, int64_t n, int64_t out, int64_t in) {
+template <typename W, typename X>
+void products_into(const W* w, const X* x, const float* scale, at::Tensor& y, int64_t n, int64_t out, int64_t in) {
   switch (y.scalar_type()) {
     case at::kFloat: return products(w, x, scale, y.data_ptr<float>(), n, out, in);
     case at::kBFloat16: return products(w, x, scale, y.data_ptr<c10::BFloat16>(), n, out, in);
@@ -191,7 +235,12 @@ at::Tensor rows(const at::Tensor& w_, const at::Tensor& x_, const std::optional<
               w_.sizes(), " and ", x_.sizes());
   TORCH_CHECK(w_.device().is_cpu() && x_.device().is_cpu(), "stream_kernel.rows: CPU tensors only");
   TORCH_CHECK((w_.scalar_type() == at::kChar) == scale_.has_value(), "stream_kernel.rows: int8 w takes a scale, others none");
-  const at::Tensor w = w_.contiguous(), x = x_.contiguous().to(at::kFloat);  // x: a few rows, widened once
+#if defined(__AVX512BF16__)
+  const bool bf16_pairs = w_.scalar_type() == at::kBFloat16 && x_.scalar_type() == at::kBFloat16;  // dot's pairs
+#else
+  const bool bf16_pairs = false;
+#endif
+  const at::Tensor w = w_.contiguous(), x = x_.contiguous().to(bf16_pairs ? at::kBFloat16 : at::kFloat);  // x: a few rows, widened once
   const int64_t n = x.size(0), out = w.size(0), in = w.size(1);
   at::Tensor scale;
   if (scale_) {
@@ -199,6 +248,12 @@ at::Tensor rows(const at::Tensor& w_, const at::Tensor& x_, const std::optional<
     TORCH_CHECK(scale.dim() == 1 && scale.size(0) == out, "stream_kernel.rows: scale (out,), got ", scale.sizes());
   }
   at::Tensor y = at::empty({n, out}, x_.options());
+#if defined(__AVX512BF16__)
+  if (bf16_pairs) {
+    products_into(w.data_ptr<c10::BFloat16>(), x.data_ptr<c10::BFloat16>(), nullptr, y, n, out, in);
+    return y;
+  }
+#endif
   const float* xp = x.data_ptr<float>();
   const float* sp = scale_ ? scale.data_ptr<float>() : nullptr;
   switch (w.scalar_type()) {

@@ -84,15 +84,15 @@ def test_the_kernel_names_what_it_cannot_multiply():
         stream_kernel.rows(torch.ones(4, 8, dtype=torch.int8), torch.randn(2, 8))
     with pytest.raises(RuntimeError, match="a matrix of Double"):
         stream_kernel.rows(torch.randn(4, 8, dtype=torch.float64), torch.randn(2, 8))
-    with pytest.raises(ValueError, match="isa must be one of 'avx512', 'avx2', 'baseline', got 'sse9'"):
+    with pytest.raises(ValueError, match="isa must be one of 'avx512bf16', 'avx512', 'avx2', 'baseline', got 'sse9'"):
         stream_kernel.load("sse9")
 
 
-@pytest.mark.parametrize("capability, sets", [("AVX512", ("avx512", "avx2", "baseline")),
-                                              ("AVX2", ("avx2", "baseline")), ("DEFAULT", ("baseline",)),
-                                              ("SVE256", ("baseline",))])
-def test_the_builds_follow_what_the_cpu_runs(capability, sets):
-    assert stream_kernel.instruction_sets(capability) == sets
+@pytest.mark.parametrize("capability, bf16, sets", [
+    ("AVX512", True, ("avx512bf16", "avx512", "avx2", "baseline")), ("AVX512", False, ("avx512", "avx2", "baseline")),
+    ("AVX2", False, ("avx2", "baseline")), ("DEFAULT", False, ("baseline",)), ("SVE256", False, ("baseline",))])
+def test_the_builds_follow_what_the_cpu_runs(capability, bf16, sets):
+    assert stream_kernel.instruction_sets(capability, bf16=bf16) == sets
 
 
 def uncached_failure(monkeypatch, tmp_path) -> str | None:
