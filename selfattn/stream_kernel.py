@@ -63,20 +63,37 @@ def instruction_sets(capability: str | None = None, *, bf16: bool | None = None)
     return {"AVX2": ("avx2", "baseline")}.get(capability, ("baseline",))
 
 
-BEST = instruction_sets()[0]
+BEST = instruction_sets()[0]  # the widest set this CPU runs
 
 
-def rows(w: Tensor, x: Tensor, scale: Tensor | None = None, *, isa: str = BEST) -> Tensor:
+def rows(w: Tensor, x: Tensor, scale: Tensor | None = None, *, isa: str | None = None) -> Tensor:
     """``x`` (N, in) times ``w`` (out, in) transposed, times ``scale`` (out,) per column when ``w``
     is int8: ``(N, out)`` in ``x``'s dtype, summed in float32. ``isa`` names the build (one of
-    :func:`instruction_sets`), built at the first call (:func:`failure` says whether it can be)."""
+    :func:`instruction_sets`; None: :func:`chosen`), built at the first call (:func:`failure`
+    says whether it can be)."""
+    isa = isa or chosen()
     return (_loaded.get(isa) or load(isa))(w, x, scale)
 
 
+_chosen: list[str] = []  # chosen()'s answer, once asked
+
+
+@torch.compiler.assume_constant_result  # a graph that calls rows() runs the build chosen when it was traced
+def chosen() -> str:
+    """The build :func:`rows` runs: the widest set this CPU runs that builds here (a compiler
+    too old for AVX512-BF16 still builds AVX-512), or :data:`BEST` when none does; asked once."""
+    if not _chosen:
+        _chosen.append(next((isa for isa in instruction_sets() if failure(isa) is None), BEST))
+    return _chosen[0]
+
+
 @functools.cache
-def failure(isa: str = BEST) -> str | None:
-    """Why the kernel for ``isa`` cannot run here, in one line (None when it can: it is then
-    built and loaded). Asked once per process: a compiler that failed is not run again."""
+def failure(isa: str | None = None) -> str | None:
+    """Why the kernel for ``isa`` (None: for every set this CPU runs) cannot run here, in one
+    line (None when it can: it is then built and loaded; the first set's reason when none
+    can). Asked once per process: a compiler that failed is not run again."""
+    if isa is None:
+        return None if any(failure(each) is None for each in instruction_sets()) else failure(BEST)
     try:
         load(isa)
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:

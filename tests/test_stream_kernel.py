@@ -95,6 +95,24 @@ def test_the_builds_follow_what_the_cpu_runs(capability, bf16, sets):
     assert stream_kernel.instruction_sets(capability, bf16=bf16) == sets
 
 
+def test_the_kernel_runs_the_widest_set_that_builds_here(monkeypatch):
+    either_failure = stream_kernel.failure.__wrapped__  # for one set, or with None for any set
+    monkeypatch.setattr(stream_kernel, "instruction_sets", lambda: ("avx512bf16", "avx512", "baseline"))
+    monkeypatch.setattr(stream_kernel, "BEST", "avx512bf16")
+    reasons = {"avx512bf16": "no -mavx512bf16 in this compiler", "avx512": None, "baseline": None}
+    monkeypatch.setattr(stream_kernel, "failure", lambda isa=None: reasons[isa])
+
+    def chosen() -> str:  # asked afresh
+        monkeypatch.setattr(stream_kernel, "_chosen", [])
+        return stream_kernel.chosen()
+
+    assert chosen() == "avx512" and either_failure(None) is None
+    reasons.update(avx512="no compiler", baseline="no compiler")  # none builds: the widest set's reason
+    assert either_failure(None) == "no -mavx512bf16 in this compiler"
+    reasons["avx512bf16"] = None  # control: the widest set builds, and runs
+    assert chosen() == "avx512bf16" and either_failure(None) is None
+
+
 def uncached_failure(monkeypatch, tmp_path) -> str | None:
     """:func:`stream_kernel.failure` of a fresh build into ``tmp_path``, the process's kernels untouched."""
     monkeypatch.setenv("SELFATTN_CACHE_DIR", str(tmp_path))
