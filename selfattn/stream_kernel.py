@@ -15,8 +15,8 @@ is exact in float32), without widening either: SmolLM2's matrices there, one row
 
 ``stream_kernel.cpp`` is compiled on first use with the machine's compiler (``$CXX`` or ``c++``;
 torch.compile needs one on the CPU too), about 6 s, for the widest instruction set the CPU runs
-and the compiler builds (:func:`instruction_sets`, :func:`chosen`), and kept in :func:`selfattn._files.cache_dir`, named by a hash of the
-source, the flags and the torch version. :func:`failure` says why it cannot be used (no compiler,
+and the compiler builds (:func:`instruction_sets`, :func:`chosen`), and kept in
+:func:`selfattn._files.cache_dir`, named by a hash of the source, the flags and the torch version. :func:`failure` says why it cannot be used (no compiler,
 a compile error), and the callers then keep PyTorch's kernels. The operator is
 ``torch.ops.selfattn_stream_<set>.rows``: ``torch.compile`` calls it as it is, within one graph.
 
@@ -37,6 +37,7 @@ from torch import Tensor
 from torch.utils import cpp_extension
 
 from selfattn import _files
+from selfattn.backends import _common
 
 SOURCE = Path(__file__).with_suffix(".cpp")
 # instruction set -> the compiler's flags for it, fastest first
@@ -55,10 +56,13 @@ ROW_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 def instruction_sets(capability: str | None = None, *, bf16: bool | None = None) -> tuple[str, ...]:
     """The sets of :data:`FLAGS` this CPU runs, fastest first, from torch's reading of it
     (``torch.backends.cpu.get_cpu_capability()``, or ``capability`` given) and whether it has
-    AVX512-BF16 (``torch.cpu._is_avx512_bf16_supported()``, or ``bf16`` given)."""
+    AVX512-BF16 (``torch.cpu._is_avx512_bf16_supported()``, unless ``SELFATTN_NATIVE_HALF=0``
+    has it taken for a CPU without, as the rest of the library does; or ``bf16`` given)."""
     capability = capability or torch.backends.cpu.get_cpu_capability()
     if capability == "AVX512":
-        bf16 = torch.cpu._is_avx512_bf16_supported() if bf16 is None else bf16
+        if bf16 is None:
+            bf16 = torch.cpu._is_avx512_bf16_supported() and _common.multiplies_natively(torch.device("cpu"),
+                                                                                          torch.bfloat16)
         return ("avx512bf16",) * bf16 + ("avx512", "avx2", "baseline")
     return {"AVX2": ("avx2", "baseline")}.get(capability, ("baseline",))
 

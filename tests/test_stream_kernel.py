@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from selfattn import _files, stream_kernel
+from selfattn.backends._common import assume_native_half
 from selfattn.stream_kernel import MATRIX_DTYPES, ROW_DTYPES
 
 ISAS = stream_kernel.instruction_sets()  # those this CPU runs: each built and tested here
@@ -93,6 +94,16 @@ def test_the_kernel_names_what_it_cannot_multiply():
     ("AVX2", False, ("avx2", "baseline")), ("DEFAULT", False, ("baseline",)), ("SVE256", False, ("baseline",))])
 def test_the_builds_follow_what_the_cpu_runs(capability, bf16, sets):
     assert stream_kernel.instruction_sets(capability, bf16=bf16) == sets
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_a_cpu_taken_for_one_without_native_bfloat16_gets_no_pair_products(native):
+    before = assume_native_half(native)  # SELFATTN_NATIVE_HALF=0 or 1
+    try:
+        pairs = "avx512bf16" in stream_kernel.instruction_sets("AVX512")
+    finally:
+        assume_native_half(before)
+    assert pairs == (native and torch.cpu._is_avx512_bf16_supported())  # never an instruction the CPU lacks
 
 
 def test_the_kernel_runs_the_widest_set_that_builds_here(monkeypatch):
