@@ -16,8 +16,9 @@ is exact in float32), without widening either: SmolLM2's matrices there, one row
 ``stream_kernel.cpp`` is compiled on first use with the machine's compiler (``$CXX`` or ``c++``;
 torch.compile needs one on the CPU too), about 6 s, for the widest instruction set the CPU runs
 and the compiler builds (:func:`instruction_sets`, :func:`chosen`), and kept in
-:func:`selfattn._files.cache_dir`, named by a hash of the source, the flags and the torch version. :func:`failure` says why it cannot be used (no compiler,
-a compile error), and the callers then keep PyTorch's kernels. The operator is
+:func:`selfattn._files.cache_dir`, named by a hash of the source, the flags and the torch version.
+:func:`failure` says why it cannot be used (no compiler, a compile error), and the callers then
+keep PyTorch's kernels. The operator is
 ``torch.ops.selfattn_stream_<set>.rows``: ``torch.compile`` calls it as it is, within one graph.
 
 A row's sums take the same order whatever rows come with it, so its result has the same bits
