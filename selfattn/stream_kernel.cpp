@@ -154,8 +154,9 @@ inline void dot(const W* w, const float* x, int64_t in, float* sums) {
 
 #if defined(__AVX512BF16__)
 // bfloat16 rows x a bfloat16 matrix where the CPU has AVX512-BF16: vdpbf16ps takes a vector of 16
-// pairs of each, multiplies them exactly, adds each pair's two products into the float32 sum of its
-// lane (denormals flushed), with no widening: the same sums as dot's for 16 lanes of runs of 2L.
+// pairs of each, multiplies them exactly and adds each pair's two products into the float32 sum of
+// its lane (denormals flushed), with no widening. S partial sums take runs of P entries in turn, as
+// dot's take runs of L: one order however many rows come together.
 constexpr int P = 2 * L;  // entries per vector
 
 inline __m512bh pairs(const c10::BFloat16* p) {
@@ -240,7 +241,7 @@ at::Tensor rows(const at::Tensor& w_, const at::Tensor& x_, const std::optional<
 #else
   const bool bf16_pairs = false;
 #endif
-  const at::Tensor w = w_.contiguous(), x = x_.contiguous().to(bf16_pairs ? at::kBFloat16 : at::kFloat);  // x: a few rows, widened once
+  const at::Tensor w = w_.contiguous(), x = x_.contiguous().to(bf16_pairs ? at::kBFloat16 : at::kFloat);  // x: a few rows, widened once (or paired as they are)
   const int64_t n = x.size(0), out = w.size(0), in = w.size(1);
   at::Tensor scale;
   if (scale_) {
