@@ -94,11 +94,11 @@ def chosen() -> str:
 
 @functools.cache
 def failure(isa: str | None = None) -> str | None:
-    """Why the kernel for ``isa`` (None: for every set this CPU runs) cannot run here, in one
-    line (None when it can: it is then built and loaded; the first set's reason when none
-    can). Asked once per process: a compiler that failed is not run again."""
+    """Why the kernel for ``isa`` (None: :func:`chosen`'s, the widest set that builds, or the
+    widest set's reason when none does) cannot run here, in one line (None when it can: it is
+    then built and loaded). Asked once per process: a compiler that failed is not run again."""
     if isa is None:
-        return None if any(failure(each) is None for each in instruction_sets()) else failure(BEST)
+        return failure(chosen())
     try:
         load(isa)
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
