@@ -51,9 +51,17 @@ def next_token(logits: Tensor, *, temperature: float = 1.0, top_k: int | None = 
     token is drawn with ``torch.multinomial`` using ``generator`` (reproducible draws).
     """
     if temperature == 0:
-        return logits.argmax(dim=-1)
+        return greedy(logits)
     probs = probabilities(logits, temperature=temperature, top_k=top_k, top_p=top_p)  # (B, V)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)  # (B,)
+
+
+def greedy(logits: Tensor) -> Tensor:
+    """The argmax over the last dim of ``logits`` (..., V), the first of tied maxima: ``(...)``
+    int64. Half-precision logits are compared in float32 (exact, the same index): PyTorch's CPU
+    argmax of them is 3-4x slower than the cast and a float32 argmax (one row of SmolLM2's 49152
+    on a 2-core EPYC: bfloat16 178 us against 58, float16 208 against 64)."""
+    return (logits.float() if logits.dtype in (torch.bfloat16, torch.float16) else logits).argmax(dim=-1)
 
 
 def probabilities(logits: Tensor, *, temperature: float, top_k: int | None = None,

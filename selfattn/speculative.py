@@ -69,7 +69,7 @@ from torch import Tensor, nn
 
 from selfattn import _validate
 from selfattn.decode_layout import FEW
-from selfattn.sampling import next_token, probabilities
+from selfattn.sampling import greedy, next_token, probabilities
 
 
 @dataclass
@@ -206,7 +206,7 @@ def _draw(logits: Tensor, sample: dict) -> tuple[Tensor, Tensor | None]:
     """A draft token per row of ``logits`` ``(B, V)`` and the distribution it was drawn from
     (None when greedy, where only the argmax matters)."""
     if sample["temperature"] == 0:
-        return logits.argmax(dim=-1), None
+        return greedy(logits), None
     q = probabilities(logits, temperature=sample["temperature"], top_k=sample["top_k"], top_p=sample["top_p"])
     return torch.multinomial(q, 1, generator=sample["generator"]).squeeze(-1), q  # (B,), (B, V)
 
@@ -354,10 +354,10 @@ def _judge(logits: Tensor, rnd: _Round, sample: dict) -> tuple[Tensor, Tensor, T
     B, m, _ = logits.shape
     rows = torch.arange(B, device=logits.device)
     draft, drafted = rnd.tokens[:, 1:], rnd.drafted[:, 1:]  # (B, m - 1) positions L + 1 .. L + m - 1
-    greedy = sample["temperature"] == 0
-    if greedy:
+    argmax = sample["temperature"] == 0
+    if argmax:
         p = None
-        p_draft = (draft == logits[:, :-1].argmax(dim=-1)).float()  # (B, m - 1)
+        p_draft = (draft == greedy(logits[:, :-1])).float()  # (B, m - 1)
     else:
         p = probabilities(logits, temperature=sample["temperature"], top_k=sample["top_k"],
                           top_p=sample["top_p"])  # (B, m, V)
@@ -366,8 +366,8 @@ def _judge(logits: Tensor, rnd: _Round, sample: dict) -> tuple[Tensor, Tensor, T
     stands = drafted & _verdicts(p_draft, q_draft, sample)
     kept = (stands | rnd.forced[:, 1:]).int().cumprod(dim=1)  # (B, m - 1) 1 up to the first rejection
     v = 1 + kept.sum(dim=1)  # (B,) fed tokens kept
-    if greedy:
-        return v, logits[rows, v - 1].argmax(dim=-1), stands & kept.bool()
+    if argmax:
+        return v, greedy(logits[rows, v - 1]), stands & kept.bool()
     p_new = p[rows, v - 1]  # (B, V) the model's distribution at position L + v
     if m > 1:  # where a draft was rejected there, draw from max(0, p - q) instead
         at = (v - 1).clamp(max=m - 2)  # (B,) the first draft that did not stand, where one did not

@@ -10,7 +10,7 @@ from torch import nn
 from selfattn import decode_layout, stream_kernel
 from selfattn.decode_layout import FEW, RowLinear
 from selfattn.kv_cache import KVCache, RollingKVCache
-from selfattn.sampling import next_token, top_k_filter, top_p_filter
+from selfattn.sampling import greedy, next_token, top_k_filter, top_p_filter
 
 from helpers.models import BACKENDS, PAIRS, VARIANTS, assert_same_logits, left_pad, scrambled, small
 
@@ -191,6 +191,16 @@ def test_sampling_follows_the_filtered_distribution():
     assert p[[0, 1, 4]].sum() == 0 and abs(p[3].item() - 0.64 / 0.88) < 0.03
     assert torch.equal(next_token(logits[:3], temperature=0), torch.tensor([3, 3, 3]))
     assert torch.equal(next_token(logits[:3], top_k=1, generator=g), torch.tensor([3, 3, 3]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_greedy_picks_the_first_of_tied_maxima_in_every_dtype(dtype):
+    logits = torch.randn(3, 1000).to(dtype)  # (B, V), half-precision ones compared in float32
+    logits[1, [7, 400, 999]] = logits[1].max() + 1  # a three-way tie: the first wins
+    logits[2, 5] = float("inf")
+    picked = greedy(logits)
+    assert picked.dtype == torch.int64 and torch.equal(picked, logits.double().argmax(dim=-1))
+    assert picked[1] == 7 and picked[2] == 5
 
 
 def test_generator_makes_sampling_reproducible():
