@@ -7,14 +7,16 @@ model's perplexity, and how often their next-token choices (argmax) agree, the w
 through the cache a few tokens at a time as decoding reads them (the int8 products of a few rows
 take another kernel than a prompt's).
 :func:`decode_speed`: batch-1 greedy decode time per token of both, each eager and compiled
-(``compile_decode``), interleaved in one run, and the bytes of their weights; where the model is
-a GGUF file and ``llama_cpp`` is importable, llama.cpp's decode time on the same file and prompt
-(:mod:`selfattn.bench.llama_cpp`).
+(``compile_decode``), and the bytes of their weights; where the model is a GGUF file and
+``llama_cpp`` is importable, llama.cpp's decode time on the same file and prompt
+(:mod:`selfattn.bench.llama_cpp`), all interleaved in one run.
 """
 from __future__ import annotations
 
 import copy
+import functools
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -73,10 +75,12 @@ def weight_bytes(model: GPT) -> int:
     return total
 
 
-def decode_speed(model: GPT, twin: GPT, idx: torch.Tensor, new_tokens: int, device, reps: int) -> dict:
+def decode_speed(model: GPT, twin: GPT, idx: torch.Tensor, new_tokens: int, device, reps: int,
+                 peer: Callable[[int], object] | None = None) -> dict:
     """Seconds per decoded token (prefill excluded: the time of generating ``new_tokens`` minus
     generating one) of ``model`` and ``twin``, each eager and compiled (a copy after
-    ``compile_decode()``, compiled by the untimed first round), interleaved over ``reps`` runs."""
+    ``compile_decode()``, compiled by the untimed first round), and of ``peer`` (n -> n tokens
+    after the same prompt: llama.cpp) where given, all interleaved over ``reps`` rounds."""
     models = {"float": model, "int8": twin, "float_compiled": copy.deepcopy(model).compile_decode(),
               "int8_compiled": copy.deepcopy(twin).compile_decode()}
 
@@ -84,11 +88,13 @@ def decode_speed(model: GPT, twin: GPT, idx: torch.Tensor, new_tokens: int, devi
         return lambda: list(m.generate(idx, n, temperature=0))
 
     fns = {f"{name}-{n}": gen(m, n) for name, m in models.items() for n in (1, new_tokens)}
+    names = list(models)
+    if peer is not None:
+        names.append("llama_cpp")
+        fns |= {f"llama_cpp-{n}": functools.partial(peer, n) for n in (1, new_tokens)}
     times, _ = common.interleaved(fns, device, warmup=1, reps=reps)
-    out = {}
-    for name in models:
-        step = (common.median(times[f"{name}-{new_tokens}"]) - common.median(times[f"{name}-1"])) / (new_tokens - 1)
-        out[f"{name}_s_per_token"] = step
+    out = {f"{name}_s_per_token": (common.median(times[f"{name}-{new_tokens}"]) - common.median(times[f"{name}-1"]))
+           / (new_tokens - 1) for name in names}
     out["int8_speedup"] = out["float_s_per_token"] / out["int8_s_per_token"]
     out["int8_compiled_speedup"] = out["float_compiled_s_per_token"] / out["int8_compiled_s_per_token"]
     out["weight_bytes_float"], out["weight_bytes_int8"] = weight_bytes(model), weight_bytes(twin)
@@ -140,17 +146,17 @@ def run(settings: Settings, device: torch.device, *, log=print) -> dict:
     log(f"model: {name}, {model.num_params() / 1e6:.1f}M parameters, {settings.dtype} and weight-only int8")
     acc = accuracy(model, twin, encode, windows=settings.windows, length=settings.length)
     idx = torch.randint(model.config.vocab_size, (1, settings.prompt), generator=torch.Generator().manual_seed(0))
-    speed = decode_speed(model, twin, idx.to(device), settings.new_tokens, device, settings.reps)
-    result = {"suite": "int8", "machine": info, "settings": asdict(settings), "model": name,
-              "accuracy": acc, "speed": speed}
     why = llama_cpp.unavailable(settings.ckpt)
+    run_peer, peer = None, {"status": "unavailable", "reason": why}
     if why is None:
-        log("llama.cpp: decoding the same file")
-        peer = {"status": "ok", "file_bytes": Path(settings.ckpt).stat().st_size,
-                **llama_cpp.decode_speed(settings.ckpt, idx[0].tolist(), settings.new_tokens, settings.reps)}
-    else:
-        peer = {"status": "unavailable", "reason": why}
-    result["llama_cpp"] = peer
+        log("llama.cpp: decoding the same file, timed among our rows")
+        run_peer, ran = llama_cpp.greedy(settings.ckpt, idx[0].tolist(), settings.new_tokens)
+        peer = {"status": "ok", "file_bytes": Path(settings.ckpt).stat().st_size, **ran}
+    speed = decode_speed(model, twin, idx.to(device), settings.new_tokens, device, settings.reps, run_peer)
+    if run_peer is not None:
+        peer["s_per_token"] = speed.pop("llama_cpp_s_per_token")
+    result = {"suite": "int8", "machine": info, "settings": asdict(settings), "model": name,
+              "accuracy": acc, "speed": speed, "llama_cpp": peer}
     speedups = f"{speed['int8_speedup']:.2f}x eager, {speed['int8_compiled_speedup']:.2f}x compiled"
     result["targets"] = [common.target("int8 decodes faster than the float model (batch 1)",
                                        min(speed["int8_speedup"], speed["int8_compiled_speedup"]) > 1.0, speedups)]

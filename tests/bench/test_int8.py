@@ -48,11 +48,11 @@ def test_llama_cpp_is_measured_only_on_a_gguf_file_where_it_is_importable(tmp_pa
     assert llama_cpp.unavailable(str(tmp_path / "m.gguf")) == f"llama_cpp is not importable: {llama_cpp.INSTALL}"
 
 
-def test_llama_cpp_decode_time_is_per_token_after_the_prompt_and_a_warm_up(monkeypatch):
+def test_llama_cpp_decodes_greedily_after_the_prompt_as_generate_does(monkeypatch):
     from selfattn.bench import llama_cpp
     calls = []
 
-    class Llama:  # llama_cpp.Llama's surface the timing uses
+    class Llama:  # llama_cpp.Llama's surface the bench uses
         def __init__(self, **kw):
             calls.append(("init", kw["n_ctx"]))
 
@@ -60,13 +60,26 @@ def test_llama_cpp_decode_time_is_per_token_after_the_prompt_and_a_warm_up(monke
             calls.append(("reset",))
 
         def eval(self, tokens):
-            calls.append(("eval", len(tokens)))
+            calls.append(("eval", list(tokens)))
 
         def sample(self, top_k):
             assert top_k == 1  # greedy
-            return 7
+            return 7 + sum(c[0] == "eval" for c in calls)
 
     monkeypatch.setitem(sys.modules, "llama_cpp", types.SimpleNamespace(Llama=Llama, __version__="0.0-test"))
-    r = llama_cpp.decode_speed("m.gguf", [1, 2, 3], new_tokens=4, reps=2)
-    assert calls[0] == ("init", 8) and calls[1:7] == [("reset",), ("eval", 3)] + [("eval", 1)] * 4
-    assert calls.count(("reset",)) == 3 and r["version"] == "0.0-test" and r["s_per_token"] > 0
+    run, ran = llama_cpp.greedy("m.gguf", [1, 2, 3], new_tokens=4)
+    assert calls == [("init", 7)] and ran == {"threads": torch.get_num_threads(), "version": "0.0-test"}
+    assert run(4) == [8, 9, 10, 11]  # each token fed back but the last, as generate() does
+    assert calls[1:] == [("reset",), ("eval", [1, 2, 3]), ("eval", [8]), ("eval", [9]), ("eval", [10])]
+    calls[1:] = []
+    assert run(1) == [8] and calls[1:] == [("reset",), ("eval", [1, 2, 3])]  # the prompt's forward alone
+
+
+def test_a_peer_is_timed_among_the_rows(monkeypatch):
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=64, block_size=32, n_layer=1, n_head=2, n_embd=16)).eval()
+    asked = []
+    speed = quantized.decode_speed(model, quantized.int8_twin(model), torch.zeros(1, 3, dtype=torch.long), 4,
+                                   torch.device("cpu"), reps=2, peer=lambda n: asked.append(n))
+    assert sorted(asked) == [1, 1, 1, 4, 4, 4]  # a warm-up and 2 timed rounds of each length
+    assert "llama_cpp_s_per_token" in speed
