@@ -161,6 +161,26 @@ def stream_bandwidth(device: torch.device, nbytes: int, reps: int = 5) -> dict:
     return out
 
 
+class BandwidthProbe:
+    """A sum over ``nbytes`` of float32 (far beyond any cache), timed among the rows of a case
+    (:func:`interleaved`): the streaming bandwidth while they ran, against which their roofline
+    fractions are read. On a shared VM it moves by a third between minutes (a 2-core EPYC:
+    33 to 58 GB/s within ten), so a bandwidth measured before or after the rows says little of
+    theirs. The sum is :func:`stream_bandwidth`'s fastest kernel there."""
+
+    def __init__(self, device: torch.device, nbytes: int):
+        if nbytes < 16 * 1024:
+            raise ValueError(f"bandwidth probe needs at least 16 KiB, got {nbytes} bytes")
+        self.x = torch.ones(nbytes // 4, device=device)
+
+    def __call__(self) -> torch.Tensor:
+        return self.x.sum()
+
+    def gbps(self, seconds: list[float]) -> float:
+        """The bandwidth of the median of ``seconds``, the probe's timings."""
+        return 4 * self.x.numel() / median(seconds) / 1e9
+
+
 class PeakMemory:
     """Peak memory a call adds: ``growth(fn) -> (bytes, fn())``.
 

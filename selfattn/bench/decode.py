@@ -39,11 +39,11 @@ stored in (an embedding table only its B looked-up rows, unless it is also the h
 layer's cached keys and values up to the step's position (a sliding-window layer its window).
 ``bytes_per_step`` is that averaged over the N - 1 decode steps; ``achieved_gbps`` =
 bytes_per_step / (decode_s / (N - 1)); the fraction of the roofline = achieved / this machine's
-streaming bandwidth, measured in the same run before and after the rows
-(:func:`selfattn.bench.common.stream_bandwidth`: sum, copy and matrix-vector product over
-``bandwidth_mib`` MiB, the fastest of their medians; the faster of the two measurements, so a
-machine busier at one end does not flatter the fractions). A
-batch-1 step of a memory-bound decoder cannot beat 1.0; a batch of B reuses each weight B times.
+streaming bandwidth while the case ran, ``bandwidth_gbps``: a sum over ``bandwidth_mib`` MiB
+timed in every round among the case's rows (:class:`selfattn.bench.common.BandwidthProbe`),
+the median of its rounds. The whole test (:func:`selfattn.bench.common.stream_bandwidth`: sum,
+copy and matrix-vector product) runs before and after the rows too, for the record. A batch-1
+step of a memory-bound decoder cannot beat 1.0; a batch of B reuses each weight B times.
 
 Peak memory (:class:`selfattn.bench.common.PeakMemory`): the resident-set growth of the untimed
 full-length call over what was resident before it (the freed heap trimmed, the high-water mark
@@ -223,6 +223,7 @@ def run(settings: Settings, device: torch.device, *, log=print) -> dict:
     info = common.machine(device)
     log(common.describe(info))
     before = _bandwidth(settings, device, "before the rows", log)
+    probe = common.BandwidthProbe(device, settings.bandwidth_mib * 2 ** 20)
     peak = common.PeakMemory(device) if settings.memory else None
     if peak is not None and peak.unavailable:
         log(f"peak memory not measured: {peak.unavailable}")
@@ -245,21 +246,18 @@ def run(settings: Settings, device: torch.device, *, log=print) -> dict:
                 idx = torch.randint(settings.vocab_size, (B, P), generator=g).to(device)  # (B, P)
                 impls = {"kv-cache": ours, "compiled": compiled} | ({"hf-sdpa": hf} if hf is not None else {})
                 rows += _time_case(GPT2_MODEL, dtype, ours, impls, idx, settings.new_tokens, settings, device,
-                                   peak, log, missing={"hf-sdpa": hf_missing} if hf is None else {})
+                                   peak, probe, log, missing={"hf-sdpa": hf_missing} if hf is None else {})
                 if B == 1 and dtype == settings.dtypes[0]:
                     rows.append(_no_cache_row(ours, idx, settings, device, dtype))
         del ours, compiled, hf
     ckpt_info = None
     if settings.ckpt is not None:
-        ckpt_info, ckpt_rows, ckpt_checks = _ckpt_rows(settings, device, peak, g, log)
+        ckpt_info, ckpt_rows, ckpt_checks = _ckpt_rows(settings, device, peak, probe, g, log)
         rows += ckpt_rows
         checks += ckpt_checks
+    del probe
     after = _bandwidth(settings, device, "after the rows", log)
     bw = max(before, after, key=lambda b: b["gbps"]) | {"before": before, "after": after}
-    log(f"roofline: {bw['gbps']:.1f} GB/s (the faster of the two)")
-    for r in rows:
-        if "achieved_gbps" in r:
-            r["roofline_fraction"] = r["achieved_gbps"] / bw["gbps"]
     result = {"suite": "decode", "machine": info, "settings": asdict(settings), "bandwidth": bw,
               "params": ours32.num_params(), "ckpt": ckpt_info, "checks": checks, "results": rows}
     result["targets"] = targets(result)
@@ -277,7 +275,7 @@ def _in_dtype(model: GPT, dtype: str) -> GPT:
     return copy.deepcopy(model).to(common.DTYPES[dtype]).eval().decode_layout()
 
 
-def _ckpt_rows(settings: Settings, device, peak, g, log) -> tuple[dict, list[dict], list[dict]]:
+def _ckpt_rows(settings: Settings, device, peak, probe, g, log) -> tuple[dict, list[dict], list[dict]]:
     from selfattn.loading import load
     path = Path(settings.ckpt)
     name = path.name if path.is_dir() else path.stem
@@ -309,7 +307,7 @@ def _ckpt_rows(settings: Settings, device, peak, g, log) -> tuple[dict, list[dic
         for B in settings.batches:
             idx = torch.randint(V, (B, P), generator=g).to(device)  # (B, P)
             impls = {"kv-cache": ours, "compiled": compiled} | (dict.fromkeys(HF_IMPLS, hf) if hf is not None else {})
-            rows += _time_case(name, dtype, ours, impls, idx, N, settings, device, peak, log,
+            rows += _time_case(name, dtype, ours, impls, idx, N, settings, device, peak, probe, log,
                                missing=dict.fromkeys(HF_IMPLS, why) if hf is None else {})
         del ours, compiled, hf
     return info, rows, checks
@@ -380,8 +378,9 @@ def _hf(hf, attn: str, idx: torch.Tensor, n: int, device) -> tuple[float, float,
 
 
 def _time_case(model_name: str, dtype: str, ours: GPT, impls: dict, idx: torch.Tensor, N: int, settings: Settings,
-               device, peak, log, missing: dict) -> list[dict]:
-    """Rows for one (model, dtype, batch, prompt): every implementation timed, interleaved."""
+               device, peak, probe, log, missing: dict) -> list[dict]:
+    """Rows for one (model, dtype, batch, prompt): every implementation timed, interleaved with
+    each other and with ``probe``, the bandwidth their roofline fractions are read against."""
     B, P = idx.shape
     runs = {name: (lambda m=m: _ours(m, idx, N, device)) if name in OURS else
             (lambda m=m, a=HF_IMPLS[name]: _hf(m, a, idx, N, device)) for name, m in impls.items()}
@@ -392,8 +391,8 @@ def _time_case(model_name: str, dtype: str, ours: GPT, impls: dict, idx: torch.T
         first[name] = time.perf_counter() - start
     splits = {name: [] for name in runs}
     times, oom = common.interleaved({name: (lambda name=name: splits[name].append(runs[name]()[:2]))
-                                     for name in runs}, device, warmup=0, reps=settings.reps)
-    roof = roofline(ours, B, P, N)
+                                     for name in runs} | {"bandwidth": probe}, device, warmup=0, reps=settings.reps)
+    roof, gbps = roofline(ours, B, P, N), probe.gbps(times["bandwidth"])
     rows = []
     for name in runs:
         base = {"model": model_name, "impl": name, "dtype": dtype, "batch": B, "prompt": P, "new_tokens": N}
@@ -408,6 +407,7 @@ def _time_case(model_name: str, dtype: str, ours: GPT, impls: dict, idx: torch.T
                       "time_s": common.median(times[name]), "times_s": times[name], "first_s": first[name],
                       "tokens_per_s": B * N / common.median(times[name]), "decode_tokens_per_s": B * (N - 1) / decode,
                       "step_s": step, **roof, "achieved_gbps": roof["bytes_per_step"] / step / 1e9,
+                      "bandwidth_gbps": gbps, "roofline_fraction": roof["bytes_per_step"] / step / 1e9 / gbps,
                       "greedy_agrees": bool(torch.equal(tokens[name], tokens["kv-cache"]))}
         if grown[name] is not None:
             row["peak_bytes"] = roof["weight_bytes"] + grown[name]
@@ -419,7 +419,8 @@ def _time_case(model_name: str, dtype: str, ours: GPT, impls: dict, idx: torch.T
                      "status": "unavailable", "reason": why})
     ok = [r for r in rows if r["status"] == "ok"]
     log(f"{model_name} {dtype} batch {B} prompt {P} + {N}: " + ", ".join(
-        f"{r['impl']} prefill {r['prefill_s'] * 1e3:.0f} ms, decode {r['decode_tokens_per_s']:.1f} tok/s" for r in ok))
+        f"{r['impl']} prefill {r['prefill_s'] * 1e3:.0f} ms, decode {r['decode_tokens_per_s']:.1f} tok/s" for r in ok)
+        + f"; bandwidth {gbps:.1f} GB/s")
     return rows
 
 
@@ -456,7 +457,6 @@ def _label(r: dict) -> str:
 
 
 def targets(result: dict) -> list[dict]:
-    bw = result.get("bandwidth", {}).get("gbps")
     rows = _ok(result)
     by = {(_case(r), r["impl"]): r for r in rows}
     ckpt = (result.get("ckpt") or {}).get("name")
@@ -476,7 +476,7 @@ def targets(result: dict) -> list[dict]:
     dec = [(ours[c]["decode_tokens_per_s"] / hf_best[c]["decode"]["decode_tokens_per_s"], ours[c]) for c in ck]
     pre = [(hf_best[c]["prefill"]["prefill_s"] / ours[c]["prefill_s"], ours[c]) for c in ck]
     mem = [(r["peak_ratio"], r) for c, r in ours.items() if c[0] == ckpt and "peak_ratio" in r]
-    roof = [(r["achieved_gbps"] / bw, r) for c, r in ours.items() if c[2] == 1] if bw else []
+    roof = [(r["roofline_fraction"], r) for c, r in ours.items() if c[2] == 1 and "roofline_fraction" in r]
     gpt2 = [(ours[c]["decode_tokens_per_s"] / hf_best[c]["decode"]["decode_tokens_per_s"], ours[c]) for c in ours
             if c[0] == GPT2_MODEL and c[2] == 1 and c in hf_best]
     small = [(x, r) for x, r in dec if r["batch"] == 1]
@@ -504,8 +504,8 @@ def targets(result: dict) -> list[dict]:
                       status(mem, lambda x: x <= 1.2), listing(mem) or "not measured"),
         common.target("batch-1 decode >= 0.85 of the measured streaming bandwidth (float32 and bfloat16)",
                       status(roof, lambda x: x >= 0.85),
-                      (listing(roof, "{:.2f}") if roof else "not measured")
-                      + (f" of {bw:.1f} GB/s" if roof else "")),
+                      (listing(roof, "{:.2f}") + " of the bandwidth measured among each case's rows")
+                      if roof else "not measured"),
         common.target("GPT-2-small shape: batch-1 decode >= 1.3x transformers' generate",
                       status(gpt2, lambda x: x >= 1.3),
                       listing(gpt2) or "not measured"),
@@ -524,14 +524,14 @@ def report(result: dict) -> str:
     for r in result["results"]:
         head = [r["model"], r["impl"], r["dtype"], str(r["batch"]), str(r["prompt"]), str(r["new_tokens"])]
         if r["status"] != "ok":
-            body.append(head + ["n/a"] * 7 + [f"{r['status']}: {r['reason']}"])
+            body.append(head + ["n/a"] * 8 + [f"{r['status']}: {r['reason']}"])
         elif r["estimated"]:
-            body.append(head + ["", "", f"{r['tokens_per_s']:.1f}", "", "", "", "", "estimated from sampled steps"])
+            body.append(head + ["", "", f"{r['tokens_per_s']:.1f}", "", "", "", "", "", "estimated from sampled steps"])
         else:
             mem = (f"{r['peak_bytes'] / 2 ** 20:.0f}", f"{r['peak_ratio']:.2f}") if "peak_bytes" in r else ("", "")
             body.append(head + [f"{r['prefill_s'] * 1e3:.0f}", f"{r['decode_tokens_per_s']:.1f}",
                                 f"{r['tokens_per_s']:.1f}", f"{r['achieved_gbps']:.3g}",
-                                f"{r['achieved_gbps'] / bw['gbps']:.3g}", *mem,
+                                f"{r['bandwidth_gbps']:.3g}", f"{r['roofline_fraction']:.3g}", *mem,
                                 "" if r["greedy_agrees"] else "greedy tokens differ from ours"])
     checks = "; ".join(f"{c['model']} {c['dtype']}: cached vs full {c['cache_err']:.1e}, "
                        f"compiled {c['compiled_err']:.1e}"
@@ -541,11 +541,12 @@ def report(result: dict) -> str:
                        for c in result["checks"])
     return "\n".join([
         "", f"decode: greedy; prefill ms, decode tok/s (all rows of the batch, after the first token), tok/s with "
-            f"prefill; GB/s read per decode step (weights + KV cache) and x the roofline {bw['gbps']:.1f} GB/s "
-            f"(sum {bw['sum_gbps']:.1f}, copy {bw['copy_gbps']:.1f}, matvec {bw['matvec_gbps']:.1f}); peak MiB "
-            f"(weights + resident growth) and x (weights + cache)",
+            f"prefill; GB/s read per decode step (weights + KV cache), the bandwidth a sum streamed among the "
+            f"case's rows and x that roofline (before and after the run, the best of sum, copy and matvec: "
+            f"{bw['before']['gbps']:.1f} and {bw['after']['gbps']:.1f} GB/s); peak MiB (weights + resident growth) "
+            f"and x (weights + cache)",
         common.table(["model", "impl", "dtype", "B", "prompt", "new", "prefill ms", "decode tok/s", "tok/s",
-                      "GB/s", "x roof", "peak MiB", "x w+c", "note"], body),
+                      "GB/s", "roof GB/s", "x roof", "peak MiB", "x w+c", "note"], body),
         f"checks (relative logit error): {checks}", *_over_roofline(result), "",
         common.format_targets(result["targets"])])
 
@@ -557,8 +558,8 @@ def _over_roofline(result: dict) -> list[str]:
     if not over:
         return []
     return [f"warning: {len(over)} batch-1 row(s) above the roofline (up to "
-            f"{max(r['roofline_fraction'] for r in over):.2f}x): the bandwidth tests ran while this machine was "
-            f"busier than during those rows; rerun on a quiet machine"]
+            f"{max(r['roofline_fraction'] for r in over):.2f}x): the bandwidth probes ran while this machine was "
+            f"busier than those rows; rerun on a quiet machine"]
 
 
 def plot(result: dict, path: Path) -> Path:
@@ -569,7 +570,7 @@ def plot(result: dict, path: Path) -> Path:
     ax = fig.subplots()
     width = 0.8 / max(len(impls), 1)
     for i, name in enumerate(impls):
-        vals = [next((r["achieved_gbps"] / result["bandwidth"]["gbps"] for r in rows
+        vals = [next((r["roofline_fraction"] for r in rows
                       if r["impl"] == name and _case(r) == c), 0.0) for c in cases]
         ax.bar([j + i * width for j in range(len(cases))], vals, width, label=name)
     ax.set_xticks([j + width * (len(impls) - 1) / 2 for j in range(len(cases))],

@@ -218,8 +218,10 @@ def test_decode_quick_run_writes_json_and_plot(tmp_path, capsys):
     bw = result["bandwidth"]
     assert bw["gbps"] == max(bw["sum_gbps"], bw["copy_gbps"], bw["matvec_gbps"]) > 0 and bw["bytes"] == 16 * 2 ** 20
     assert bw["gbps"] == max(bw["before"]["gbps"], bw["after"]["gbps"])  # measured at both ends of the run
-    assert all(r["roofline_fraction"] == r["achieved_gbps"] / bw["gbps"]
-               for r in result["results"] if not r["estimated"])
+    timed = [r for r in result["results"] if not r["estimated"]]
+    assert all(r["roofline_fraction"] == r["achieved_gbps"] / r["bandwidth_gbps"] for r in timed)
+    cases = {(r["dtype"], r["batch"]): r["bandwidth_gbps"] for r in timed}
+    assert all(r["bandwidth_gbps"] == cases[r["dtype"], r["batch"]] > 0 for r in timed)  # one probe a case
     rows = {(r["impl"], r["dtype"], r["batch"]): r for r in result["results"]}
     assert set(rows) == {(i, d, b) for i in ("kv-cache", "compiled", "hf-sdpa") for d in ("float32", "bfloat16")
                          for b in (1, 2)} | {("no-cache", "float32", 1)}
@@ -377,10 +379,18 @@ def test_stream_bandwidth_reports_each_kernel_and_the_fastest():
         common.stream_bandwidth(torch.device("cpu"), 100)
 
 
+def test_bandwidth_probe_sums_its_bytes_and_reads_the_median_time():
+    probe = common.BandwidthProbe(torch.device("cpu"), 2 ** 20)
+    assert probe().item() == 2 ** 18  # a sum of 2^18 ones
+    assert probe.gbps([0.001, 1.0, 0.002]) == pytest.approx(2 ** 20 / 0.002 / 1e9)  # the median, not the best
+    with pytest.raises(ValueError, match="at least 16 KiB, got 100 bytes"):
+        common.BandwidthProbe(torch.device("cpu"), 100)
+
+
 def _decode_row(impl, model, dtype, B, P, *, tps, prefill, gbps=10.0, peak=1.1):
     return {"model": model, "impl": impl, "dtype": dtype, "batch": B, "prompt": P, "new_tokens": 8, "status": "ok",
             "estimated": False, "decode_tokens_per_s": tps, "tokens_per_s": tps, "prefill_s": prefill,
-            "achieved_gbps": gbps, "peak_ratio": peak}
+            "achieved_gbps": gbps, "bandwidth_gbps": 20.0, "roofline_fraction": gbps / 20.0, "peak_ratio": peak}
 
 
 def _decode_result(ours_tps, hf_tps, gbps, peak, prefill):
@@ -402,7 +412,7 @@ def test_decode_targets_pass_and_miss_on_the_measured_numbers():
     assert [t["status"] for t in good] == ["PASS"] * 7 + ["n/a"]  # no context of 1024
     assert [t["status"] for t in bad] == ["MISS"] * 7 + ["n/a"]
     assert "3.00x (float32 B=1 P=512)" in good[0]["measured"] and "0.90x" in bad[0]["measured"]
-    assert "0.50 (float32 B=1 P=512)" in bad[3]["measured"] and "of 20.0 GB/s" in bad[3]["measured"]
+    assert "0.50 (float32 B=1 P=512)" in bad[3]["measured"] and "measured among each case's rows" in bad[3]["measured"]
     assert [t["status"] for t in decode.targets({"results": [], "bandwidth": {"gbps": 1.0}})] == ["n/a"] * 8
 
 
