@@ -1,4 +1,5 @@
-// A few rows times a matrix, the matrix streamed from memory once: decoding's products
+// Decoding's kernels, each streaming its operand from memory once: a few rows times a matrix (rows),
+// and one query per head over the KV cache (attend, below the products).
 // (selfattn/stream_kernel.py builds this file and says why it exists).
 //
 //   rows(w (out, in), x (N, in), scale (out,) or None) -> (N, out) in x's dtype
@@ -21,9 +22,12 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <vector>
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -267,10 +271,230 @@ at::Tensor rows(const at::Tensor& w_, const at::Tensor& x_, const std::optional<
   return y;
 }
 
+
+// ---- One query per head over every cached key: a decoded token's attention ----------------------
+//
+//   attend(q (B, H, 1, D), k (B, Hkv, S, D), v (B, Hkv, S, D), scale) -> (B, H, 1, D) in q's dtype
+//   out[b, h] = softmax_j(scale * q[b, h] . k[b, h / g, j]) . v[b, h / g, :]   (g = H / Hkv)
+//
+// The cache streams once: each task takes a run of KEYS keys of one kv head for all g query heads
+// that read it, their scores, exponentials and weighted values in float32 (the chunk's maximum
+// subtracted), and the runs are merged in order after (each run's sums rescaled to the overall
+// maximum, as FlashAttention's split over keys does). The runs are fixed, so the bits do not depend
+// on the threads. k and v may be any views whose rows are contiguous (a cache's first S slots).
+constexpr int64_t KEYS = 128;  // keys per task
+typedef int32_t i32x16 __attribute__((vector_size(64)));
+
+// exp(x) for x <= 0, to about 1 ulp: x = n ln 2 + r with |r| <= ln 2 / 2, e^r by its Taylor
+// polynomial of degree 7, 2^n put in the exponent's bits; below -87 (a weight under 2^-126) it is
+// taken at -87, a weight of about 2^-125.5 (the sum it joins is at least 1)
+inline f32x16 exp_lanes(f32x16 x) {
+  x = x < -87.0f ? f32x16{} - 87.0f : x;
+  const f32x16 magic = f32x16{} + 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
+  const f32x16 n = (x * 1.44269504088896341f + magic) - magic;
+  const f32x16 r = (x - n * 0.693145751953125f) - n * 1.42860682030941723e-6f;  // ln 2 in two parts
+  f32x16 p = f32x16{} + 1.0f / 5040;
+  for (const float c : {1.0f / 720, 1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f}) p = p * r + c;
+  const i32x16 bits = (__builtin_convertvector(n, i32x16) + 127) << 23;
+  return p * (f32x16)bits;
+}
+
+// The sums of 16 vectors, lane i holding acc[i]'s: pairs of vectors halved and added, four times. The
+// tree takes the vectors in bit-reversed order, which leaves the sums in their own.
+inline f32x16 sum_each(const f32x16* acc) {
+  constexpr int bitrev[L] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
+  f32x16 a[L / 2], b[L / 4], c[L / 8];
+#pragma GCC unroll 8
+  for (int i = 0; i < L / 2; ++i) {  // 16 sums of 8
+    const f32x16 x = acc[bitrev[2 * i]], y = acc[bitrev[2 * i + 1]];
+    a[i] = __builtin_shufflevector(x, y, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           __builtin_shufflevector(x, y, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  }
+#pragma GCC unroll 4
+  for (int i = 0; i < L / 4; ++i)  // of 4
+    b[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27) +
+           __builtin_shufflevector(a[2 * i], a[2 * i + 1], 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
+#pragma GCC unroll 2
+  for (int i = 0; i < L / 8; ++i)  // of 2
+    c[i] = __builtin_shufflevector(b[2 * i], b[2 * i + 1], 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29) +
+           __builtin_shufflevector(b[2 * i], b[2 * i + 1], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
+  return __builtin_shufflevector(c[0], c[1], 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30) +
+         __builtin_shufflevector(c[0], c[1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
+}
+
+// q (float32) . each of L rows of k (the first d entries of each, rows sk apart) into s[0 .. L)
+template <typename T>
+inline void dot_rows(const float* q, const T* k, int64_t sk, int64_t d, float* s) {
+  f32x16 acc[L] = {};
+  int64_t i = 0;
+  for (; i + L <= d; i += L) {
+    const f32x16 qv = load(q + i);
+#pragma GCC unroll 16
+    for (int j = 0; j < L; ++j) acc[j] = fma(qv, load(k + j * sk + i), acc[j]);
+  }
+  const f32x16 sums = sum_each(acc);
+  std::memcpy(s, &sums, sizeof sums);
+  for (int j = 0; j < L; ++j) {  // the entries past the last 16
+    for (int64_t t = i; t < d; ++t) s[j] += q[t] * static_cast<float>(k[j * sk + t]);
+  }
+}
+
+template <typename T>
+inline float dot_row(const float* q, const T* k, int64_t d) {  // q (float32) . k, d entries
+  f32x16 acc = {};
+  int64_t i = 0;
+  for (; i + L <= d; i += L) acc = fma(load(q + i), load(k + i), acc);
+  float s = sum_lanes(acc);
+  for (; i < d; ++i) s += q[i] * static_cast<float>(k[i]);
+  return s;
+}
+
+// out[h] (N vectors of L, for G heads) = sum_j p[h][j] * v[j] over n rows of v, entries [0, N * L) of each
+template <int G, int N, typename T>
+inline void weigh_rows(const float* p, int64_t pstride, const T* v, int64_t sv, int64_t n, float* out, int64_t ostride) {
+  f32x16 acc[G][N] = {};
+  for (int64_t j = 0; j < n; ++j) {
+    f32x16 row[N];
+#pragma GCC unroll 4
+    for (int b = 0; b < N; ++b) row[b] = load(v + j * sv + b * L);
+#pragma GCC unroll 4
+    for (int h = 0; h < G; ++h) {
+      const f32x16 w = f32x16{} + p[h * pstride + j];
+#pragma GCC unroll 4
+      for (int b = 0; b < N; ++b) acc[h][b] = fma(w, row[b], acc[h][b]);
+    }
+  }
+  for (int h = 0; h < G; ++h) std::memcpy(out + h * ostride, acc[h], sizeof acc[h]);
+}
+
+template <int G, typename T>
+void weigh(const float* p, int64_t pstride, const T* v, int64_t sv, int64_t n, int64_t d, float* out, int64_t ostride) {
+  int64_t i = 0;  // blocks of 4 vectors, then what is left of them, then the entries past the last 16
+  for (; i + 4 * L <= d; i += 4 * L) weigh_rows<G, 4>(p, pstride, v + i, sv, n, out + i, ostride);
+  switch ((d - i) / L) {
+    case 3: weigh_rows<G, 3>(p, pstride, v + i, sv, n, out + i, ostride); break;
+    case 2: weigh_rows<G, 2>(p, pstride, v + i, sv, n, out + i, ostride); break;
+    case 1: weigh_rows<G, 1>(p, pstride, v + i, sv, n, out + i, ostride); break;
+  }
+  for (int64_t h = 0; h < G; ++h) {
+    for (int64_t t = i + (d - i) / L * L; t < d; ++t) {
+      float sum = 0.0f;
+      for (int64_t j = 0; j < n; ++j) sum += p[h * pstride + j] * static_cast<float>(v[j * sv + t]);
+      out[h * ostride + t] = sum;
+    }
+  }
+}
+
+// A run of keys [j0, j1) of one kv head for its g query heads qf (g, D) float32: each head's maximum
+// score m, the sum l of its exponentials and the weighted values acc (D,), into part (g, D + 2).
+template <typename T>
+void attend_run(const float* qf, const T* k, const T* v, int64_t sk, int64_t sv, int64_t j0, int64_t j1,
+                int64_t g, int64_t D, float scale, float* part) {
+  const int64_t n = j1 - j0, padded = (n + L - 1) / L * L;
+  std::vector<float> p(g * KEYS);  // (g, KEYS): the scores, then their exponentials
+  for (int64_t h = 0; h < g; ++h) {
+    const float* qh = qf + h * D;
+    float* ph = p.data() + h * KEYS;
+    int64_t j = 0;
+    for (; j + L <= n; j += L) dot_rows(qh, k + (j0 + j) * sk, sk, D, ph + j);
+    for (; j < n; ++j) ph[j] = dot_row(qh, k + (j0 + j) * sk, D);
+    float m = -INFINITY;
+    for (j = 0; j < n; ++j) m = std::max(m, ph[j] *= scale);
+    for (j = n; j < padded; ++j) ph[j] = m;  // lanes past the run: computed, never summed
+    float l = 0.0f;
+    for (j = 0; j < padded; j += L) {
+      const f32x16 e = exp_lanes(load(ph + j) - m);
+      std::memcpy(ph + j, &e, sizeof e);
+    }
+    for (j = 0; j < n; ++j) l += ph[j];
+    part[h * (D + 2)] = m, part[h * (D + 2) + 1] = l;
+  }
+  for (int64_t h = 0; h < g; h += 4) {  // the values weighed for 4 heads at a time, each row read once
+    const float* ph = p.data() + h * KEYS;
+    float* out = part + h * (D + 2) + 2;
+    switch (std::min<int64_t>(4, g - h)) {
+      case 4: weigh<4>(ph, KEYS, v + j0 * sv, sv, n, D, out, D + 2); break;
+      case 3: weigh<3>(ph, KEYS, v + j0 * sv, sv, n, D, out, D + 2); break;
+      case 2: weigh<2>(ph, KEYS, v + j0 * sv, sv, n, D, out, D + 2); break;
+      case 1: weigh<1>(ph, KEYS, v + j0 * sv, sv, n, D, out, D + 2); break;
+    }
+  }
+}
+
+template <typename T, typename Q>
+void attend_all(const at::Tensor& qf, const at::Tensor& k, const at::Tensor& v, float scale, Q* out) {
+  const int64_t B = k.size(0), Hkv = k.size(1), S = k.size(2), D = k.size(3), H = qf.size(1), g = H / Hkv;
+  const int64_t runs = std::max<int64_t>(1, (S + KEYS - 1) / KEYS), tasks = B * Hkv * runs;
+  at::Tensor parts = at::empty({tasks, g, D + 2}, qf.options());  // (B, Hkv, runs) x (g, m l acc)
+  const float* q = qf.data_ptr<float>();
+  const T* kp = k.data_ptr<T>();
+  const T* vp = v.data_ptr<T>();
+  float* pp = parts.data_ptr<float>();
+  const int64_t grain = std::max<int64_t>(1, (1 << 15) / (KEYS * g * D));  // a task's products: 32 K or more
+  at::parallel_for(0, tasks, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t b = t / (Hkv * runs), kh = t / runs % Hkv, j0 = t % runs * KEYS;
+      attend_run(q + (b * H + kh * g) * D, kp + b * k.stride(0) + kh * k.stride(1), vp + b * v.stride(0) + kh * v.stride(1),
+                 k.stride(2), v.stride(2), j0, std::min(S, j0 + KEYS), g, D, scale, pp + t * g * (D + 2));
+    }
+  });
+  std::vector<float> acc(D);
+  for (int64_t bh = 0; bh < B * H; ++bh) {  // the runs merged in order, each rescaled to the maximum
+    const int64_t b = bh / H, h = bh % H, kh = h / g;
+    const float* first = pp + ((b * Hkv + kh) * runs * g + h % g) * (D + 2);
+    float m = -INFINITY, l = 0.0f;
+    for (int64_t r = 0; r < runs; ++r) m = std::max(m, first[r * g * (D + 2)]);
+    std::fill(acc.begin(), acc.end(), 0.0f);
+    for (int64_t r = 0; r < runs; ++r) {
+      const float* part = first + r * g * (D + 2);
+      const float w = std::exp(part[0] - m);
+      l += part[1] * w;
+      for (int64_t i = 0; i < D; ++i) acc[i] += part[2 + i] * w;
+    }
+    for (int64_t i = 0; i < D; ++i) out[bh * D + i] = static_cast<Q>(acc[i] / l);
+  }
+}
+
+template <typename T>
+void attend_into(const at::Tensor& qf, const at::Tensor& k, const at::Tensor& v, float scale, at::Tensor& out) {
+  switch (out.scalar_type()) {
+    case at::kFloat: return attend_all<T>(qf, k, v, scale, out.data_ptr<float>());
+    case at::kBFloat16: return attend_all<T>(qf, k, v, scale, out.data_ptr<c10::BFloat16>());
+    case at::kHalf: return attend_all<T>(qf, k, v, scale, out.data_ptr<c10::Half>());
+    default: TORCH_CHECK(false, "stream_kernel.attend: a query of ", out.scalar_type(), " (float32, bfloat16 or float16)");
+  }
+}
+
+at::Tensor attend(const at::Tensor& q, const at::Tensor& k_, const at::Tensor& v_, double scale) {
+  TORCH_CHECK(q.dim() == 4 && k_.dim() == 4 && v_.sizes() == k_.sizes() && q.size(2) == 1 && q.size(0) == k_.size(0) &&
+                  q.size(3) == k_.size(3) && k_.size(1) > 0 && q.size(1) % k_.size(1) == 0 && k_.size(2) > 0,
+              "stream_kernel.attend: q (B, H, 1, D), k and v (B, Hkv, S, D) with S > 0 and H a multiple of Hkv, got ",
+              q.sizes(), ", ", k_.sizes(), " and ", v_.sizes());
+  TORCH_CHECK(q.device().is_cpu() && k_.device().is_cpu() && v_.device().is_cpu(), "stream_kernel.attend: CPU tensors only");
+  TORCH_CHECK(k_.scalar_type() == v_.scalar_type(), "stream_kernel.attend: k and v of one dtype, got ", k_.scalar_type(),
+              " and ", v_.scalar_type());
+  const at::Tensor k = k_.stride(3) == 1 ? k_ : k_.contiguous(), v = v_.stride(3) == 1 ? v_ : v_.contiguous();
+  const at::Tensor qf = q.to(at::kFloat).contiguous();  // (B, H, 1, D): the queries widened once
+  at::Tensor out = at::empty(q.sizes(), q.options().memory_format(at::MemoryFormat::Contiguous));
+  switch (k.scalar_type()) {
+    case at::kFloat: attend_into<float>(qf, k, v, static_cast<float>(scale), out); break;
+    case at::kBFloat16: attend_into<c10::BFloat16>(qf, k, v, static_cast<float>(scale), out); break;
+    case at::kHalf: attend_into<c10::Half>(qf, k, v, static_cast<float>(scale), out); break;
+    default: TORCH_CHECK(false, "stream_kernel.attend: a cache of ", k.scalar_type(), " (float32, bfloat16 or float16)");
+  }
+  return out;
+}
+
 }  // namespace
 
 // the namespace the build names (-DSELFATTN_NAMESPACE), expanded before TORCH_LIBRARY pastes it
 #define SELFATTN_DEFINE(ns) TORCH_LIBRARY(ns, m)
 #define SELFATTN_IMPLEMENT(ns) TORCH_LIBRARY_IMPL(ns, CPU, m)
-SELFATTN_DEFINE(SELFATTN_NAMESPACE) { m.def("rows(Tensor w, Tensor x, Tensor? scale) -> Tensor"); }
-SELFATTN_IMPLEMENT(SELFATTN_NAMESPACE) { m.impl("rows", &rows); }
+SELFATTN_DEFINE(SELFATTN_NAMESPACE) {
+  m.def("rows(Tensor w, Tensor x, Tensor? scale) -> Tensor");
+  m.def("attend(Tensor q, Tensor k, Tensor v, float scale) -> Tensor");
+}
+SELFATTN_IMPLEMENT(SELFATTN_NAMESPACE) {
+  m.impl("rows", &rows);
+  m.impl("attend", &attend);
+}

@@ -1,4 +1,5 @@
-"""A C++ kernel for decoding's products: a few rows times a matrix that streams from memory once.
+"""C++ kernels for decoding, each streaming its operand from memory once: a few rows times a
+matrix (:func:`rows`), and one query per head over the KV cache (:func:`attend`).
 
 Decoding one token multiplies one row (or a few: a batch, a speculative verification) by every
 weight matrix, so a step lasts as long as the matrices take to stream from memory through the
@@ -13,13 +14,18 @@ AVX512-BF16, bfloat16 rows times a bfloat16 matrix take its pair products (each 
 is exact in float32), without widening either: SmolLM2's matrices there, one row 10.4 ms against
 11.7 widened, 8 rows 16.5 against 28.3, 16 rows 34.4 against 61.7.
 
+A decoded token's attention reads the cache once too: :func:`attend` splits the keys into fixed
+runs, each run's scores, exponentials and weighted values summed in float32 for every query head
+that reads its kv head, and merges the runs after (the sdpa backend calls it for a decoded token on
+the CPU; its docstring has the measurements against PyTorch's SDPA).
+
 ``stream_kernel.cpp`` is compiled on first use with the machine's compiler (``$CXX`` or ``c++``;
 torch.compile needs one on the CPU too), about 6 s, for the widest instruction set the CPU runs
 and the compiler builds (:func:`instruction_sets`, :func:`chosen`), and kept in
 :func:`selfattn._files.cache_dir`, named by a hash of the source, the flags and the torch version.
 :func:`failure` says why it cannot be used (no compiler, a compile error), and the callers then
-keep PyTorch's kernels. The operator is
-``torch.ops.selfattn_stream_<set>.rows``: ``torch.compile`` calls it as it is, within one graph.
+keep PyTorch's kernels. The operators are ``torch.ops.selfattn_stream_<set>.rows`` and ``.attend``:
+``torch.compile`` calls them as they are, within one graph.
 
 A row's sums take the same order whatever rows come with it, so its result has the same bits
 alone or among others (the C++ file says how).
@@ -30,8 +36,8 @@ import functools
 import hashlib
 import os
 import subprocess
-from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -77,7 +83,16 @@ def rows(w: Tensor, x: Tensor, scale: Tensor | None = None, *, isa: str | None =
     :func:`instruction_sets`; None: :func:`chosen`), built at the first call (:func:`failure`
     says whether it can be)."""
     isa = isa or chosen()
-    return (_loaded.get(isa) or load(isa))(w, x, scale)
+    return (_loaded.get(isa) or load(isa)).rows(w, x, scale)
+
+
+def attend(q: Tensor, k: Tensor, v: Tensor, scale: float, *, isa: str | None = None) -> Tensor:
+    """A decoded token's attention: ``q`` ``(B, H, 1, D)`` over every key of ``k`` and ``v``
+    ``(B, Hkv, S, D)`` (H a multiple of Hkv: grouped queries read their kv head), softmax of the
+    scores times ``scale``, summed in float32: ``(B, H, 1, D)`` in ``q``'s dtype. The cache is read
+    once, k and v as they are stored (float32, bfloat16 or float16; rows contiguous). No gradient."""
+    isa = isa or chosen()
+    return (_loaded.get(isa) or load(isa)).attend(q, k, v, scale)
 
 
 _chosen: list[str] = []  # chosen()'s answer, once asked
@@ -106,11 +121,18 @@ def failure(isa: str | None = None) -> str | None:
     return None
 
 
-_loaded: dict[str, Callable] = {}  # isa -> its operator, once loaded
+@torch.compiler.assume_constant_result  # traced, a graph holds the answer it had then
+def builds() -> bool:
+    """Whether the kernel runs here (:func:`failure` is None): built and loaded at the first ask."""
+    return failure() is None
 
 
-def load(isa: str) -> Callable:
-    """The operator built for ``isa``, compiled (or found in the cache) and loaded, once a process."""
+_loaded: dict[str, Any] = {}  # isa -> its operators (torch.ops.selfattn_stream_<isa>), once loaded
+
+
+def load(isa: str) -> Any:
+    """The operators built for ``isa`` (``.rows``, ``.attend``), compiled (or found in the cache)
+    and loaded, once a process."""
     if isa not in FLAGS:
         raise ValueError(f"isa must be one of {', '.join(map(repr, FLAGS))}, got {isa!r}")
     if isa not in _loaded:
@@ -118,12 +140,17 @@ def load(isa: str) -> Callable:
         name = f"{_namespace(isa)}::rows"
         torch.library.register_fake(name)(_fake_rows)
         torch.library.register_autograd(name, _backward, setup_context=_save)
-        _loaded[isa] = getattr(torch.ops, _namespace(isa)).rows
+        torch.library.register_fake(f"{_namespace(isa)}::attend")(_fake_attend)
+        _loaded[isa] = getattr(torch.ops, _namespace(isa))
     return _loaded[isa]
 
 
 def _fake_rows(w: Tensor, x: Tensor, scale: Tensor | None) -> Tensor:  # the shape torch.compile traces with
     return x.new_empty(x.shape[0], w.shape[0])
+
+
+def _fake_attend(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
 def _save(ctx, inputs: tuple, output: Tensor) -> None:

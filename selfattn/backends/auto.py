@@ -11,8 +11,9 @@ the masks tables are in ``docs/benchmarks.md``, an AVX2 run in ``docs/bench/mask
    So is one query without a gradient that sees every key (a decoded token), taken without
    the lookup of the measurements (about 11 us a layer, a third of the attention it picks):
    SDPA without a mask, one query over 512 cached keys of SmolLM2's heads, took 33 us
-   against 41 for the math backend's products (bfloat16: 23 against 88; where this CPU attends
-   a half-precision query faster in float32, the sdpa backend measures and does so).
+   against 41 for the math backend's products (bfloat16: 23 against 88). On the CPU the sdpa
+   backend hands such a token to the one-query kernel of :mod:`selfattn.stream_kernel` (19.6 us
+   there in float32, 22.2 in bfloat16, on the EPYC the sdpa backend's docstring names).
 3. A small request, T·S <= ``SMALL`` (a decoding step over a cache, a short sequence):
    ``sdpa`` with the dense mask. At T = S = 256 it took 1.6 ms forward against tiled's 2.7
    (window 64 and 4 documents); at 512 the two tied; from 1024 on tiled won by 1.6-2.9x. The

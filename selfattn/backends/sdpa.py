@@ -7,16 +7,21 @@ passes the explicit boolean mask from :mod:`selfattn.masks`; ALiBi, a dense addi
 passes as a float mask. Other score rules (soft-capping, a score_mod, sinks) are not
 expressible to SDPA and are refused.
 
-A decoded token in half precision on the CPU runs in float32 where that is faster, as this
-process measures once per dtype, heads and power of 2 of keys (:func:`one_query_in_float32`).
-On a 2-core AMD EPYC (AVX-512, AVX512-BF16, no AMX), one bfloat16 query of SmolLM2's heads
-(medians of 200): over 16 keys 27 us in bfloat16 against 33 in float32 with the casts, over 128
-108 against 60, over 512 399 against 121, over 2048 1614 against 1878; an AMX Xeon attended 512
-keys in 23 us in bfloat16. The float32 result, rounded to the dtype, is the closer one to the
-exact attention. A compiled decode step serves every number of keys with one graph, so it takes
-one choice, measured before it compiles over :data:`COMPILED_KEYS` keys (:func:`decide_compiled`,
-which :mod:`selfattn.decode_step` calls): SmolLM2's bfloat16 step over 512 cached keys on the EPYC
-took 28 ms in bfloat16 SDPA (13 of them attention) before it did.
+A decoded token on the CPU (one query that sees every key, without a gradient or dropout) attends in
+:func:`selfattn.stream_kernel.attend`, where that kernel builds: the cache streamed once, summed in
+float32, whatever the dtype it is stored in. On a 2-core AMD EPYC (AVX-512, AVX512-BF16), one
+query of SmolLM2's heads (9 over 3 kv heads of 64) over 512 cached keys, 2 threads, medians of 101:
+float32 19.6 us against SDPA's 41.5; bfloat16 22.2 against 286.5 (SDPA in bfloat16) and 75.7 (in
+float32, the casts included); over 2048 keys 69.5 against 173.4 and 69.8 against 220.9.
+
+Where it does not build, a half-precision decoded token runs in float32 where that is faster, as
+this process measures once per dtype, heads and power of 2 of keys (:func:`one_query_in_float32`).
+On the same EPYC, one bfloat16 query of SmolLM2's heads (medians of 200): over 16 keys 27 us in
+bfloat16 against 33 in float32 with the casts, over 128 108 against 60, over 512 399 against 121,
+over 2048 1614 against 1878; an AMX Xeon attended 512 keys in 23 us in bfloat16. The float32
+result, rounded to the dtype, is the closer one to the exact attention. A compiled decode step
+serves every number of keys with one graph, so it takes one choice, measured before it compiles
+over :data:`COMPILED_KEYS` keys (:func:`decide_compiled`, which :mod:`selfattn.decode_step` calls).
 """
 from __future__ import annotations
 
@@ -26,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from selfattn import _timing
+from selfattn import _timing, stream_kernel
 from selfattn.backends._common import dense_mask, half
 from selfattn.masks import Mask
 from selfattn.scores import Scores
@@ -56,6 +61,8 @@ def run(q: Tensor, k: Tensor, v: Tensor, mask: Mask, *, scale: float, dropout_p:
     attn_mask, empty = None, None
     if not is_causal and not mask.sees_every_key(T, S):  # a decoded token sees every key: no mask
         attn_mask, empty = dense_mask(mask, T, S, q.device)  # (B or 1, H or 1, T, S) bool
+    elif T == 1 and not alibi and _streams(q, k, v, dropout_p):
+        return stream_kernel.attend(q, k, v, scale)
     elif T == 1 and not alibi and _attends_in_float32(q, k):
         return _sdpa(q.float(), k.float(), v.float(), scale, dropout_p).to(q.dtype)
     if alibi:
@@ -64,6 +71,15 @@ def run(q: Tensor, k: Tensor, v: Tensor, mask: Mask, *, scale: float, dropout_p:
         attn_mask = bias[None] if attn_mask is None else bias[None].masked_fill(~attn_mask, float("-inf"))
     out = _sdpa(q, k, v, scale, dropout_p, attn_mask=attn_mask, is_causal=is_causal)  # (B, H, T, D)
     return out if empty is None else out.masked_fill(empty, 0.0)
+
+
+def _streams(q: Tensor, k: Tensor, v: Tensor, dropout_p: float) -> bool:
+    """Whether a decoded token attends in :func:`selfattn.stream_kernel.attend`: on the CPU, in
+    dtypes it reads, without dropout or a gradient, where the kernel builds."""
+    return (q.device.type == "cpu" and dropout_p == 0.0 and k.dtype == v.dtype
+            and q.dtype in stream_kernel.ROW_DTYPES and k.dtype in stream_kernel.ROW_DTYPES
+            and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))
+            and stream_kernel.builds())
 
 
 def _sdpa(q: Tensor, k: Tensor, v: Tensor, scale: float, dropout_p: float, *, attn_mask: Tensor | None = None,
@@ -91,9 +107,10 @@ def _attends_in_float32(q: Tensor, k: Tensor) -> bool:
 def decide_compiled(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int, device: torch.device) -> None:
     """Measure, before a graph is compiled, whether its decoded tokens of these heads attend faster
     in float32 (over :data:`COMPILED_KEYS` keys); graphs traced afterwards follow it. Once per
-    process for each; nothing to measure off the CPU or in float32."""
+    process for each; nothing to measure off the CPU, in float32, or where the kernel builds."""
     key = (dtype, heads, kv_heads, head_dim)
-    if torch.device(device).type == "cpu" and half(dtype) and key not in COMPILED_IN_FLOAT32:
+    cpu = torch.device(device).type == "cpu"
+    if cpu and half(dtype) and key not in COMPILED_IN_FLOAT32 and not stream_kernel.builds():
         COMPILED_IN_FLOAT32[key] = one_query_in_float32(dtype, heads, kv_heads, head_dim, COMPILED_KEYS)
 
 

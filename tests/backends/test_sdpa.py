@@ -1,11 +1,12 @@
-"""The sdpa backend's decoded token in half precision: float32 where this CPU measured it faster."""
+"""The sdpa backend's decoded token on the CPU: the one-query kernel where it builds; where it does
+not, in half precision, float32 where this CPU measured it faster."""
 import time
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from selfattn import attention
+from selfattn import attention, stream_kernel
 from selfattn.backends import sdpa
 from tests.helpers.models import scrambled, small
 
@@ -14,9 +15,62 @@ def _decoded_token(dtype, keys=40):
     return (torch.randn(2, h, n, 16, dtype=dtype) for h, n in ((6, 1), (3, keys), (3, keys)))  # (B, H, T, D)
 
 
+@pytest.fixture
+def no_kernel(monkeypatch):
+    """A machine where the one-query kernel does not build (no compiler)."""
+    monkeypatch.setattr(stream_kernel, "builds", lambda: False)
+
+
+@pytest.fixture
+def kernel_calls(monkeypatch) -> list:
+    """The dtypes of the queries the kernel attends, as it is called."""
+    calls, attend = [], stream_kernel.attend
+    monkeypatch.setattr(stream_kernel, "attend", lambda q, *args, **kw: calls.append(q.dtype) or attend(q, *args, **kw))
+    return calls
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_a_decoded_token_attends_in_the_kernel_and_matches_the_oracle(kernel_calls, dtype):
+    q, k, v = _decoded_token(dtype)
+    out = attention(q, k, v, backend="sdpa")
+    assert kernel_calls == [dtype] and out.dtype == dtype
+    exact = attention(q.double(), k.double(), v.double(), backend="math")
+    tol = 2e-6 if dtype == torch.float32 else 2 * torch.finfo(dtype).eps
+    torch.testing.assert_close(out.double(), exact, rtol=0, atol=tol)
+
+
+def test_only_a_decoded_token_without_a_gradient_or_dropout_attends_in_the_kernel(kernel_calls):
+    q, k, v = _decoded_token(torch.float32)
+    for request, kernel in ((dict(), True),
+                            (dict(q=q.repeat(1, 1, 2, 1)), False),  # two queries
+                            (dict(window=8), False),  # a mask: not every key
+                            (dict(alibi_slopes=torch.rand(6)), False),  # a bias
+                            (dict(dropout_p=0.5), False),
+                            (dict(q=q.clone().requires_grad_()), False),  # a gradient to take
+                            (dict(q=q.double(), k=k.double(), v=v.double()), False)):  # a dtype it does not read
+        kernel_calls.clear()
+        args = {"q": q, "k": k, "v": v} | request
+        attention(args.pop("q"), args.pop("k"), args.pop("v"), backend="sdpa", **args)
+        assert kernel_calls == [torch.float32] * kernel, list(request)
+    with torch.no_grad():  # no gradient taken: the kernel
+        attention(q.clone().requires_grad_(), k, v, backend="sdpa")
+    assert kernel_calls == [torch.float32]
+
+
+def test_a_compiled_decode_step_attends_in_the_kernel_within_its_graph(kernel_calls):
+    model = scrambled(small(pos="rope", n_kv_head=2)).to(torch.bfloat16)
+    prompt = torch.randint(61, (1, 5))
+    eager = list(model.generate(prompt, 4, temperature=0))
+    assert kernel_calls == [torch.bfloat16] * 3 * len(model.blocks)  # three decoded tokens, every layer
+    torch._dynamo.utils.counters.clear()
+    assert list(model.compile_decode().generate(prompt, 4, temperature=0)) == eager
+    assert len(kernel_calls) == 2 * 3 * len(model.blocks)  # the graph took the kernel (the spy's appends replayed)
+    assert not torch._dynamo.utils.counters["graph_break"]  # within one graph
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("faster", [False, True], ids=["half-faster", "float32-faster"])
-def test_a_decoded_half_token_runs_as_measured_and_matches_the_oracle(monkeypatch, dtype, faster):
+def test_a_decoded_half_token_runs_as_measured_and_matches_the_oracle(monkeypatch, no_kernel, dtype, faster):
     monkeypatch.setattr(sdpa, "one_query_in_float32", lambda *request: faster)
     q, k, v = _decoded_token(dtype)
     out = attention(q, k, v, backend="sdpa")  # one query: sees every cached key
@@ -27,7 +81,7 @@ def test_a_decoded_half_token_runs_as_measured_and_matches_the_oracle(monkeypatc
     torch.testing.assert_close(out.double(), exact, rtol=0, atol=2 * torch.finfo(dtype).eps)
 
 
-def test_only_a_half_query_that_sees_every_key_is_cast(monkeypatch):
+def test_only_a_half_query_that_sees_every_key_is_cast(monkeypatch, no_kernel):
     monkeypatch.setattr(sdpa, "one_query_in_float32", lambda *request: True)
     seen = []
     plain = sdpa._sdpa
@@ -62,7 +116,7 @@ def test_the_measurement_picks_the_faster_precision(monkeypatch, slow):
         sdpa.one_query_in_float32.cache_clear()
 
 
-def test_the_measurement_is_of_the_requests_heads_and_its_keys_rounded_up_to_a_power_of_2(monkeypatch):
+def test_the_measurement_is_of_the_requests_heads_and_its_keys_rounded_up_to_a_power_of_2(monkeypatch, no_kernel):
     asked = []
     monkeypatch.setattr(sdpa, "one_query_in_float32", lambda *request: asked.append(request) or False)
     for keys in (40, 64, 65):
@@ -71,7 +125,7 @@ def test_the_measurement_is_of_the_requests_heads_and_its_keys_rounded_up_to_a_p
 
 
 @pytest.mark.parametrize("faster", [False, True], ids=["half-faster", "float32-faster"])
-def test_a_compiled_graph_takes_the_choice_measured_before_it_compiled(monkeypatch, faster):
+def test_a_compiled_graph_takes_the_choice_measured_before_it_compiled(monkeypatch, no_kernel, faster):
     monkeypatch.setattr(sdpa, "COMPILED_IN_FLOAT32", {})
     monkeypatch.setattr(sdpa, "one_query_in_float32", lambda *request: faster)
     sdpa.decide_compiled(torch.bfloat16, 6, 3, 16, torch.device("cpu"))
@@ -85,7 +139,7 @@ def test_a_compiled_graph_takes_the_choice_measured_before_it_compiled(monkeypat
     torch.testing.assert_close(out, in_float32 if faster else in_half, rtol=0, atol=0)
 
 
-def test_a_compiled_decode_step_measures_its_heads_before_it_compiles(monkeypatch):
+def test_a_compiled_decode_step_measures_its_heads_before_it_compiles(monkeypatch, no_kernel):
     monkeypatch.setattr(sdpa, "COMPILED_IN_FLOAT32", {})
     asked = []
     monkeypatch.setattr(sdpa, "one_query_in_float32", lambda *request: asked.append(request) or True)

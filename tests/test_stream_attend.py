@@ -1,0 +1,91 @@
+"""The C++ kernel of a decoded token's attention (``stream_kernel.attend``): every build this CPU
+runs against a float64 softmax, for every cache dtype, grouped heads, head sizes and key counts that
+leave every remainder, cache views; the same bits on any number of threads; a peaked softmax (the
+exponential's range); one compiled graph; and the errors it names."""
+import re
+
+import pytest
+import torch
+
+from selfattn import stream_kernel
+from selfattn.stream_kernel import ROW_DTYPES
+
+ISAS = stream_kernel.instruction_sets()
+# (B, H, Hkv, S, D): GQA and MHA, one key, keys past the 128 of a task and short of 16, D short of 16 and past it
+SHAPES = [(1, 9, 3, 512, 64), (2, 6, 3, 37, 16), (1, 4, 4, 300, 64), (3, 4, 1, 1, 7), (1, 2, 2, 129, 70),
+          (2, 8, 2, 16, 128), (1, 5, 5, 257, 96)]
+# a half-precision output rounds once: a few of its ulps; float32 sums a few roundings
+TOL = {torch.float32: 2e-6, torch.bfloat16: 2 ** -7, torch.float16: 2 ** -10}
+
+
+def exact(q, k, v, scale):  # (B, H, 1, D) in float64
+    g = q.shape[1] // k.shape[1]
+    k, v = (t.double().repeat_interleave(g, dim=1) for t in (k, v))
+    return ((q.double() @ k.transpose(-1, -2)) * scale).softmax(-1) @ v
+
+
+def cache_views(B, Hkv, S, D, dtype):
+    """k and v as a cache returns them: the first S slots of a longer buffer, rows contiguous."""
+    kv = torch.randn(B, Hkv, S + 5, 2 * D).to(dtype)
+    return kv[:, :, :S, :D], kv[:, :, :S, D:]
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", ROW_DTYPES)
+def test_the_kernel_is_the_float64_attention_summed_in_float32(isa, dtype):
+    for B, H, Hkv, S, D in SHAPES:
+        q = torch.randn(B, H, 1, D).to(dtype)
+        k, v = cache_views(B, Hkv, S, D, dtype)
+        out = stream_kernel.attend(q, k, v, D ** -0.5, isa=isa)
+        assert out.dtype == dtype and out.shape == q.shape
+        error = (out.double() - exact(q, k, v, D ** -0.5)).abs().max().item()
+        assert error < TOL[dtype], ((B, H, Hkv, S, D), error)
+
+
+def test_a_wrong_weighting_fails_the_same_tolerance():  # control: the comparison can fail
+    q = torch.randn(1, 4, 1, 64)
+    k, v = cache_views(1, 2, 200, 64, torch.float32)
+    out = stream_kernel.attend(q, k, v, 0.125)
+    assert (out.double() - exact(q, k, v, 0.125)).abs().max() < TOL[torch.float32]
+    assert (out.double() - exact(q, k, v, 0.126)).abs().max() > TOL[torch.float32]  # another scale
+    assert (stream_kernel.attend(q, k, v[:, [1, 0]], 0.125) - out).abs().max() > TOL[torch.float32]  # another head's v
+
+
+def test_a_peaked_softmax_keeps_its_tiny_weights():  # scores 0 to -300: exponentials down to the clamp
+    q = torch.zeros(1, 2, 1, 16)
+    q[..., 0] = 1.0
+    k, v = cache_views(1, 1, 300, 16, torch.float32)
+    k[..., 0] = -torch.arange(300.0)  # key j scores -j: weights e^-j, the sum about 1.58
+    out = stream_kernel.attend(q, k, v, 1.0)
+    torch.testing.assert_close(out.double(), exact(q, k, v, 1.0), rtol=0, atol=2e-6)
+
+
+def test_the_bits_do_not_depend_on_the_threads():
+    q = torch.randn(2, 9, 1, 64)
+    k, v = cache_views(2, 3, 700, 64, torch.bfloat16)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = stream_kernel.attend(q, k, v, 0.125)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(stream_kernel.attend(q, k, v, 0.125), alone)
+
+
+def test_a_compiled_function_calls_the_kernel_within_one_graph():
+    q = torch.randn(1, 4, 1, 32)
+    k, v = cache_views(1, 2, 50, 32, torch.float32)
+    compiled = torch.compile(lambda q, k, v: stream_kernel.attend(q, k, v, 0.2) * 2, fullgraph=True)
+    assert torch.equal(compiled(q, k, v), stream_kernel.attend(q, k, v, 0.2) * 2)
+
+
+def test_the_kernel_names_what_it_cannot_attend():
+    q, k = torch.randn(1, 4, 1, 8), torch.randn(1, 3, 5, 8)
+    with pytest.raises(RuntimeError, match=re.escape("H a multiple of Hkv, got [1, 4, 1, 8], [1, 3, 5, 8]")):
+        stream_kernel.attend(q, k, k, 1.0)
+    with pytest.raises(RuntimeError, match=re.escape("got [1, 4, 2, 8]")):  # two queries
+        stream_kernel.attend(torch.randn(1, 4, 2, 8), k[:, :2], k[:, :2], 1.0)
+    with pytest.raises(RuntimeError, match="k and v of one dtype, got Float and BFloat16"):
+        stream_kernel.attend(q, k[:, :2], k[:, :2].bfloat16(), 1.0)
+    with pytest.raises(RuntimeError, match="a cache of Double"):
+        stream_kernel.attend(q, k[:, :2].double(), k[:, :2].double(), 1.0)
