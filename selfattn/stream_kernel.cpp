@@ -385,6 +385,14 @@ void weigh(const float* p, int64_t pstride, const T* v, int64_t sv, int64_t n, i
   }
 }
 
+// a hint to bring rows [0, n) of d entries, stride apart, toward the core before they are read
+template <typename T>
+inline void prefetch_rows(const T* p, int64_t stride, int64_t n, int64_t d) {
+  for (int64_t j = 0; j < n; ++j) {
+    for (int64_t i = 0; i < d; i += 64 / sizeof(T)) __builtin_prefetch(p + j * stride + i, 0, 2);
+  }
+}
+
 // A run of keys [j0, j1) of one kv head for its g query heads qf (g, D) float32: each head's maximum
 // score m, the sum l of its exponentials and the weighted values acc (D,), into part (g, D + 2).
 template <typename T>
@@ -392,6 +400,8 @@ void attend_run(const float* qf, const T* k, const T* v, int64_t sk, int64_t sv,
                 int64_t g, int64_t D, float scale, float* part) {
   const int64_t n = j1 - j0, padded = (n + L - 1) / L * L;
   std::vector<float> p(g * KEYS);  // (g, KEYS): the scores, then their exponentials
+  prefetch_rows(k + j0 * sk, sk, n, D);
+  prefetch_rows(v + j0 * sv, sv, n, D);
   for (int64_t h = 0; h < g; ++h) {
     const float* qh = qf + h * D;
     float* ph = p.data() + h * KEYS;
