@@ -272,16 +272,17 @@ at::Tensor rows(const at::Tensor& w_, const at::Tensor& x_, const std::optional<
 }
 
 
-// ---- One query per head over every cached key: a decoded token's attention ----------------------
+// ---- A few queries per head over the KV cache: a decoded token's attention, a verification's -------
 //
-//   attend(q (B, H, 1, D), k (B, Hkv, S, D), v (B, Hkv, S, D), scale) -> (B, H, 1, D) in q's dtype
-//   out[b, h] = softmax_j(scale * q[b, h] . k[b, h / g, j]) . v[b, h / g, :]   (g = H / Hkv)
+//   attend(q (B, H, T, D), k (B, Hkv, S, D), v (B, Hkv, S, D), scale) -> (B, H, T, D) in q's dtype
+//   out[b, h, t] = softmax_{j <= S - T + t}(scale * q[b, h, t] . k[b, h / g, j]) . v[b, h / g, j]   (g = H / Hkv)
 //
-// The cache streams once: each task takes a run of KEYS keys of one kv head for all g query heads
-// that read it, their scores, exponentials and weighted values in float32 (the chunk's maximum
-// subtracted), and the runs are merged in order after (each run's sums rescaled to the overall
-// maximum, as FlashAttention's split over keys does). The runs are fixed, so the bits do not depend
-// on the threads. k and v may be any views whose rows are contiguous (a cache's first S slots).
+// The T queries are the last T positions of the S keys, causal (one query sees every key). The cache
+// streams once: each task takes a run of KEYS keys of one kv head for the g * T query rows that read
+// it, their scores, exponentials and weighted values in float32 (the run's maximum subtracted), and
+// the runs are merged in order after (each run's sums rescaled to the overall maximum, as
+// FlashAttention's split over keys does). The runs are fixed, so the bits do not depend on the
+// threads. k and v may be any views whose rows are contiguous (a cache's first S slots).
 constexpr int64_t KEYS = 128;  // keys per task
 typedef int32_t i32x16 __attribute__((vector_size(64)));
 
@@ -393,75 +394,78 @@ inline void prefetch_rows(const T* p, int64_t stride, int64_t n, int64_t d) {
   }
 }
 
-// A run of keys [j0, j1) of one kv head for its g query heads qf (g, D) float32: each head's maximum
-// score m, the sum l of its exponentials and the weighted values acc (D,), into part (g, D + 2).
+// A run of keys [j0, j1) of one kv head for its query rows qf (rows, D) float32, row r the query at
+// position S - T + r % T: each row's maximum score m, the sum l of its exponentials and the weighted
+// values acc (D,), into part (rows, D + 2). A row that sees none of the run has m = -inf, l = 0, acc = 0.
 template <typename T>
 void attend_run(const float* qf, const T* k, const T* v, int64_t sk, int64_t sv, int64_t j0, int64_t j1,
-                int64_t g, int64_t D, float scale, float* part) {
-  const int64_t n = j1 - j0, padded = (n + L - 1) / L * L;
-  std::vector<float> p(g * KEYS);  // (g, KEYS): the scores, then their exponentials
+                int64_t rows, int64_t queries, int64_t S, int64_t D, float scale, float* part) {
+  const int64_t n = j1 - j0;
+  std::vector<float> p(rows * KEYS);  // (rows, KEYS): the scores, then their exponentials, 0 past what a row sees
   prefetch_rows(k + j0 * sk, sk, n, D);
   prefetch_rows(v + j0 * sv, sv, n, D);
-  for (int64_t h = 0; h < g; ++h) {
-    const float* qh = qf + h * D;
-    float* ph = p.data() + h * KEYS;
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t seen = std::clamp<int64_t>(S - queries + r % queries + 1 - j0, 0, n);  // keys of the run it sees
+    const float* qr = qf + r * D;
+    float* pr = p.data() + r * KEYS;
+    float m = -INFINITY, l = 0.0f;
     int64_t j = 0;
-    for (; j + L <= n; j += L) dot_rows(qh, k + (j0 + j) * sk, sk, D, ph + j);
-    for (; j < n; ++j) ph[j] = dot_row(qh, k + (j0 + j) * sk, D);
-    float m = -INFINITY;
-    for (j = 0; j < n; ++j) m = std::max(m, ph[j] *= scale);
-    for (j = n; j < padded; ++j) ph[j] = m;  // lanes past the run: computed, never summed
-    float l = 0.0f;
-    for (j = 0; j < padded; j += L) {
-      const f32x16 e = exp_lanes(load(ph + j) - m);
-      std::memcpy(ph + j, &e, sizeof e);
+    for (; j + L <= seen; j += L) dot_rows(qr, k + (j0 + j) * sk, sk, D, pr + j);
+    for (; j < seen; ++j) pr[j] = dot_row(qr, k + (j0 + j) * sk, D);
+    for (j = 0; j < seen; ++j) m = std::max(m, pr[j] *= scale);
+    for (j = seen; j < KEYS; ++j) pr[j] = m;  // past what it sees: computed if in a vector, then zeroed
+    for (j = 0; j < seen; j += L) {
+      const f32x16 e = exp_lanes(load(pr + j) - m);
+      std::memcpy(pr + j, &e, sizeof e);
     }
-    for (j = 0; j < n; ++j) l += ph[j];
-    part[h * (D + 2)] = m, part[h * (D + 2) + 1] = l;
+    std::fill(pr + seen, pr + KEYS, 0.0f);
+    for (j = 0; j < seen; ++j) l += pr[j];
+    part[r * (D + 2)] = m, part[r * (D + 2) + 1] = l;
   }
-  for (int64_t h = 0; h < g; h += 4) {  // the values weighed for 4 heads at a time, each row read once
-    const float* ph = p.data() + h * KEYS;
-    float* out = part + h * (D + 2) + 2;
-    switch (std::min<int64_t>(4, g - h)) {
-      case 4: weigh<4>(ph, KEYS, v + j0 * sv, sv, n, D, out, D + 2); break;
-      case 3: weigh<3>(ph, KEYS, v + j0 * sv, sv, n, D, out, D + 2); break;
-      case 2: weigh<2>(ph, KEYS, v + j0 * sv, sv, n, D, out, D + 2); break;
-      case 1: weigh<1>(ph, KEYS, v + j0 * sv, sv, n, D, out, D + 2); break;
+  for (int64_t r = 0; r < rows; r += 4) {  // the values weighed for 4 rows at a time, each value read once
+    const float* pr = p.data() + r * KEYS;
+    float* out = part + r * (D + 2) + 2;
+    switch (std::min<int64_t>(4, rows - r)) {
+      case 4: weigh<4>(pr, KEYS, v + j0 * sv, sv, n, D, out, D + 2); break;
+      case 3: weigh<3>(pr, KEYS, v + j0 * sv, sv, n, D, out, D + 2); break;
+      case 2: weigh<2>(pr, KEYS, v + j0 * sv, sv, n, D, out, D + 2); break;
+      case 1: weigh<1>(pr, KEYS, v + j0 * sv, sv, n, D, out, D + 2); break;
     }
   }
 }
 
 template <typename T, typename Q>
 void attend_all(const at::Tensor& qf, const at::Tensor& k, const at::Tensor& v, float scale, Q* out) {
-  const int64_t B = k.size(0), Hkv = k.size(1), S = k.size(2), D = k.size(3), H = qf.size(1), g = H / Hkv;
-  const int64_t runs = std::max<int64_t>(1, (S + KEYS - 1) / KEYS), tasks = B * Hkv * runs;
-  at::Tensor parts = at::empty({tasks, g, D + 2}, qf.options());  // (B, Hkv, runs) x (g, m l acc)
+  const int64_t B = k.size(0), Hkv = k.size(1), S = k.size(2), D = k.size(3), H = qf.size(1), Tq = qf.size(2);
+  const int64_t rows = H / Hkv * Tq;  // the query rows of a kv head: its g heads' T queries, contiguous in q
+  const int64_t runs = (S + KEYS - 1) / KEYS, tasks = B * Hkv * runs;
+  at::Tensor parts = at::empty({tasks, rows, D + 2}, qf.options());  // (B, Hkv, runs) x (rows, m l acc)
   const float* q = qf.data_ptr<float>();
   const T* kp = k.data_ptr<T>();
   const T* vp = v.data_ptr<T>();
   float* pp = parts.data_ptr<float>();
-  const int64_t grain = std::max<int64_t>(1, (1 << 15) / (KEYS * g * D));  // a task's products: 32 K or more
+  const int64_t grain = std::max<int64_t>(1, (1 << 15) / (KEYS * rows * D));  // a task's products: 32 K or more
   at::parallel_for(0, tasks, grain, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const int64_t b = t / (Hkv * runs), kh = t / runs % Hkv, j0 = t % runs * KEYS;
-      attend_run(q + (b * H + kh * g) * D, kp + b * k.stride(0) + kh * k.stride(1), vp + b * v.stride(0) + kh * v.stride(1),
-                 k.stride(2), v.stride(2), j0, std::min(S, j0 + KEYS), g, D, scale, pp + t * g * (D + 2));
+      attend_run(q + (b * Hkv + kh) * rows * D, kp + b * k.stride(0) + kh * k.stride(1), vp + b * v.stride(0) + kh * v.stride(1),
+                 k.stride(2), v.stride(2), j0, std::min(S, j0 + KEYS), rows, Tq, S, D, scale, pp + t * rows * (D + 2));
     }
   });
   std::vector<float> acc(D);
-  for (int64_t bh = 0; bh < B * H; ++bh) {  // the runs merged in order, each rescaled to the maximum
-    const int64_t b = bh / H, h = bh % H, kh = h / g;
-    const float* first = pp + ((b * Hkv + kh) * runs * g + h % g) * (D + 2);
+  for (int64_t i = 0; i < B * Hkv * rows; ++i) {  // each query row's runs merged in order, rescaled to the maximum
+    const int64_t b = i / (Hkv * rows), kh = i / rows % Hkv, r = i % rows;
+    const float* first = pp + ((b * Hkv + kh) * runs * rows + r) * (D + 2);
     float m = -INFINITY, l = 0.0f;
-    for (int64_t r = 0; r < runs; ++r) m = std::max(m, first[r * g * (D + 2)]);
+    for (int64_t run = 0; run < runs; ++run) m = std::max(m, first[run * rows * (D + 2)]);
     std::fill(acc.begin(), acc.end(), 0.0f);
-    for (int64_t r = 0; r < runs; ++r) {
-      const float* part = first + r * g * (D + 2);
-      const float w = std::exp(part[0] - m);
+    for (int64_t run = 0; run < runs; ++run) {
+      const float* part = first + run * rows * (D + 2);
+      const float w = part[1] == 0.0f ? 0.0f : std::exp(part[0] - m);  // a run it does not see: nothing
       l += part[1] * w;
-      for (int64_t i = 0; i < D; ++i) acc[i] += part[2 + i] * w;
+      for (int64_t c = 0; c < D; ++c) acc[c] += part[2 + c] * w;
     }
-    for (int64_t i = 0; i < D; ++i) out[bh * D + i] = static_cast<Q>(acc[i] / l);
+    for (int64_t c = 0; c < D; ++c) out[i * D + c] = static_cast<Q>(acc[c] / l);
   }
 }
 
@@ -476,15 +480,16 @@ void attend_into(const at::Tensor& qf, const at::Tensor& k, const at::Tensor& v,
 }
 
 at::Tensor attend(const at::Tensor& q, const at::Tensor& k_, const at::Tensor& v_, double scale) {
-  TORCH_CHECK(q.dim() == 4 && k_.dim() == 4 && v_.sizes() == k_.sizes() && q.size(2) == 1 && q.size(0) == k_.size(0) &&
-                  q.size(3) == k_.size(3) && k_.size(1) > 0 && q.size(1) % k_.size(1) == 0 && k_.size(2) > 0,
-              "stream_kernel.attend: q (B, H, 1, D), k and v (B, Hkv, S, D) with S > 0 and H a multiple of Hkv, got ",
+  TORCH_CHECK(q.dim() == 4 && k_.dim() == 4 && v_.sizes() == k_.sizes() && q.size(0) == k_.size(0) &&
+                  q.size(3) == k_.size(3) && k_.size(1) > 0 && q.size(1) % k_.size(1) == 0 && q.size(2) > 0 &&
+                  q.size(2) <= k_.size(2),
+              "stream_kernel.attend: q (B, H, T, D), k and v (B, Hkv, S, D) with 0 < T <= S and H a multiple of Hkv, got ",
               q.sizes(), ", ", k_.sizes(), " and ", v_.sizes());
   TORCH_CHECK(q.device().is_cpu() && k_.device().is_cpu() && v_.device().is_cpu(), "stream_kernel.attend: CPU tensors only");
   TORCH_CHECK(k_.scalar_type() == v_.scalar_type(), "stream_kernel.attend: k and v of one dtype, got ", k_.scalar_type(),
               " and ", v_.scalar_type());
   const at::Tensor k = k_.stride(3) == 1 ? k_ : k_.contiguous(), v = v_.stride(3) == 1 ? v_ : v_.contiguous();
-  const at::Tensor qf = q.to(at::kFloat).contiguous();  // (B, H, 1, D): the queries widened once
+  const at::Tensor qf = q.to(at::kFloat).contiguous();  // (B, H, T, D): the queries widened once
   at::Tensor out = at::empty(q.sizes(), q.options().memory_format(at::MemoryFormat::Contiguous));
   switch (k.scalar_type()) {
     case at::kFloat: attend_into<float>(qf, k, v, static_cast<float>(scale), out); break;

@@ -14,10 +14,11 @@ AVX512-BF16, bfloat16 rows times a bfloat16 matrix take its pair products (each 
 is exact in float32), without widening either: SmolLM2's matrices there, one row 10.4 ms against
 11.7 widened, 8 rows 16.5 against 28.3, 16 rows 34.4 against 61.7.
 
-A decoded token's attention reads the cache once too: :func:`attend` splits the keys into fixed
-runs, each run's scores, exponentials and weighted values summed in float32 for every query head
-that reads its kv head, and merges the runs after (the sdpa backend calls it for a decoded token on
-the CPU; its docstring has the measurements against PyTorch's SDPA).
+A decoded token's attention reads the cache once too, and so does a speculative verification's (a
+few causal queries at the end of the keys): :func:`attend` splits the keys into fixed runs, each
+run's scores, exponentials and weighted values summed in float32 for every query row that reads its
+kv head, and merges the runs after (the sdpa backend calls it for such requests on the CPU; its
+docstring has the measurements against PyTorch's SDPA).
 
 ``stream_kernel.cpp`` is compiled on first use with the machine's compiler (``$CXX`` or ``c++``;
 torch.compile needs one on the CPU too), about 6 s, for the widest instruction set the CPU runs
@@ -87,10 +88,11 @@ def rows(w: Tensor, x: Tensor, scale: Tensor | None = None, *, isa: str | None =
 
 
 def attend(q: Tensor, k: Tensor, v: Tensor, scale: float, *, isa: str | None = None) -> Tensor:
-    """A decoded token's attention: ``q`` ``(B, H, 1, D)`` over every key of ``k`` and ``v``
-    ``(B, Hkv, S, D)`` (H a multiple of Hkv: grouped queries read their kv head), softmax of the
-    scores times ``scale``, summed in float32: ``(B, H, 1, D)`` in ``q``'s dtype. The cache is read
-    once, k and v as they are stored (float32, bfloat16 or float16; rows contiguous). No gradient."""
+    """Attention of a few queries at the end of the keys: ``q`` ``(B, H, T, D)``, the last T of the
+    S positions of ``k`` and ``v`` ``(B, Hkv, S, D)`` (H a multiple of Hkv: grouped queries read
+    their kv head), causal (query t sees keys 0 .. S - T + t; one query sees every key), softmax of
+    the scores times ``scale``, summed in float32: ``(B, H, T, D)`` in ``q``'s dtype. The cache is
+    read once, k and v as they are stored (float32, bfloat16 or float16; rows contiguous). No gradient."""
     isa = isa or chosen()
     return (_loaded.get(isa) or load(isa)).attend(q, k, v, scale)
 

@@ -7,12 +7,17 @@ passes the explicit boolean mask from :mod:`selfattn.masks`; ALiBi, a dense addi
 passes as a float mask. Other score rules (soft-capping, a score_mod, sinks) are not
 expressible to SDPA and are refused.
 
-A decoded token on the CPU (one query that sees every key, without a gradient or dropout) attends in
-:func:`selfattn.stream_kernel.attend`, where that kernel builds: the cache streamed once, summed in
-float32, whatever the dtype it is stored in. On a 2-core AMD EPYC (AVX-512, AVX512-BF16), one
-query of SmolLM2's heads (9 over 3 kv heads of 64) over 512 cached keys, 2 threads, medians of 101:
-float32 19.6 us against SDPA's 41.5; bfloat16 22.2 against 286.5 (SDPA in bfloat16) and 75.7 (in
-float32, the casts included); over 2048 keys 69.5 against 173.4 and 69.8 against 220.9.
+On the CPU a decoded token (one query that sees every key) and a few plain causal queries at the end
+of the keys (a speculative verification, :data:`FEW_QUERIES` at most), without a gradient or dropout,
+attend in :func:`selfattn.stream_kernel.attend` where that kernel builds: the cache streamed once,
+summed in float32, whatever the dtype it is stored in. On a 2-core AMD EPYC (AVX-512, AVX512-BF16),
+one query of SmolLM2's heads (9 over 3 kv heads of 64) over 512 cached keys, 2 threads, medians of
+101: float32 19.6 us against SDPA's 41.5; bfloat16 22.2 against 286.5 (SDPA in bfloat16) and 75.7
+(in float32, the casts included); over 2048 keys 69.5 against 173.4 and 69.8 against 220.9. With
+the cache out of the caches (32 MB streamed between layers, as a step's weights do) 55-62 us
+against 109-125 in float32, 51 against 128-177 in bfloat16 (float32 SDPA). A compiled SmolLM2 step
+after a prompt of 512, the same weights, interleaved: float32 19.9-20.0 ms against 20.7-21.3 with
+SDPA, bfloat16 11.0-11.5 against 13.9-14.9.
 
 Where it does not build, a half-precision decoded token runs in float32 where that is faster, as
 this process measures once per dtype, heads and power of 2 of keys (:func:`one_query_in_float32`).
@@ -55,14 +60,14 @@ def run(q: Tensor, k: Tensor, v: Tensor, mask: Mask, *, scale: float, dropout_p:
         scores: Scores | None = None) -> Tensor:
     T, S = q.shape[2], k.shape[2]
     alibi = scores is not None and scores.alibi_slopes is not None
+    if not alibi and _streams(q, k, v, mask, dropout_p):
+        return stream_kernel.attend(q, k, v, scale)
     is_causal = False  # an `if`, not the condition itself: traced by torch.compile, T == S is a symbolic
     if mask.plain_causal and T > 1 and T == S and not alibi:  # bool, which SDPA's is_causal does not take
         is_causal = True
     attn_mask, empty = None, None
     if not is_causal and not mask.sees_every_key(T, S):  # a decoded token sees every key: no mask
         attn_mask, empty = dense_mask(mask, T, S, q.device)  # (B or 1, H or 1, T, S) bool
-    elif T == 1 and not alibi and _streams(q, k, v, dropout_p):
-        return stream_kernel.attend(q, k, v, scale)
     elif T == 1 and not alibi and _attends_in_float32(q, k):
         return _sdpa(q.float(), k.float(), v.float(), scale, dropout_p).to(q.dtype)
     if alibi:
@@ -73,10 +78,15 @@ def run(q: Tensor, k: Tensor, v: Tensor, mask: Mask, *, scale: float, dropout_p:
     return out if empty is None else out.masked_fill(empty, 0.0)
 
 
-def _streams(q: Tensor, k: Tensor, v: Tensor, dropout_p: float) -> bool:
-    """Whether a decoded token attends in :func:`selfattn.stream_kernel.attend`: on the CPU, in
-    dtypes it reads, without dropout or a gradient, where the kernel builds."""
-    return (q.device.type == "cpu" and dropout_p == 0.0 and k.dtype == v.dtype
+def _streams(q: Tensor, k: Tensor, v: Tensor, mask: Mask, dropout_p: float) -> bool:
+    """Whether a request attends in :func:`selfattn.stream_kernel.attend`: a decoded token (one query
+    that sees every key) or up to :data:`FEW_QUERIES` plain causal queries at the end of the keys (a
+    speculative verification, a short prompt), on the CPU, in dtypes it reads, without dropout or a
+    gradient, where the kernel builds. A graph traced for a dynamic number of queries keeps SDPA for
+    them: it would otherwise split at FEW_QUERIES into two graphs."""
+    T, S = q.shape[2], k.shape[2]
+    fits = mask.sees_every_key(1, S) if T == 1 else isinstance(T, int) and T <= FEW_QUERIES and mask.plain_causal
+    return (fits and q.device.type == "cpu" and dropout_p == 0.0 and k.dtype == v.dtype
             and q.dtype in stream_kernel.ROW_DTYPES and k.dtype in stream_kernel.ROW_DTYPES
             and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))
             and stream_kernel.builds())
@@ -88,6 +98,10 @@ def _sdpa(q: Tensor, k: Tensor, v: Tensor, scale: float, dropout_p: float, *, at
                                           scale=scale, enable_gqa=q.shape[1] != k.shape[1])
 
 
+# the most queries the kernel takes: its time grows with the queries, SDPA's less; over 512 keys of SmolLM2's
+# heads on the EPYC (2 threads, medians of 51) 4 queries took 55 us against SDPA's 74 with a mask, 8 took 100 to
+# 108 (bfloat16 91 against 128 and 164 to 170)
+FEW_QUERIES = 4
 COMPILED_KEYS = 512  # the keys a compiled graph's choice is measured over: a prompt and an answer of some length
 # (dtype, heads, kv_heads, head_dim) -> whether compiled graphs attend a decoded token of these heads in float32
 COMPILED_IN_FLOAT32: dict[tuple[torch.dtype, int, int, int], bool] = {}

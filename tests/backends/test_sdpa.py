@@ -1,5 +1,5 @@
-"""The sdpa backend's decoded token on the CPU: the one-query kernel where it builds; where it does
-not, in half precision, float32 where this CPU measured it faster."""
+"""The sdpa backend's decoded token and few causal queries on the CPU: the stream kernel where it
+builds; where it does not, a half-precision decoded token in float32 where this CPU measured it faster."""
 import time
 
 import pytest
@@ -39,11 +39,24 @@ def test_a_decoded_token_attends_in_the_kernel_and_matches_the_oracle(kernel_cal
     torch.testing.assert_close(out.double(), exact, rtol=0, atol=tol)
 
 
-def test_only_a_decoded_token_without_a_gradient_or_dropout_attends_in_the_kernel(kernel_calls):
+def test_a_few_causal_queries_at_the_end_of_the_keys_attend_in_the_kernel_and_match_the_oracle(kernel_calls):
+    q, k, v = _decoded_token(torch.float32)
+    for T in range(2, sdpa.FEW_QUERIES + 1):  # a speculative verification
+        few = torch.randn(2, 6, T, 16)
+        exact = attention(few.double(), k.double(), v.double(), backend="math")
+        torch.testing.assert_close(attention(few, k, v, backend="sdpa").double(), exact, rtol=0, atol=2e-6)
+    assert kernel_calls == [torch.float32] * (sdpa.FEW_QUERIES - 1)
+
+
+def test_only_few_plain_causal_queries_without_a_gradient_or_dropout_attend_in_the_kernel(kernel_calls):
     q, k, v = _decoded_token(torch.float32)
     for request, kernel in ((dict(), True),
-                            (dict(q=q.repeat(1, 1, 2, 1)), False),  # two queries
-                            (dict(window=8), False),  # a mask: not every key
+                            (dict(q=q.repeat(1, 1, 2, 1)), True),  # two queries, causal
+                            (dict(q=q.repeat(1, 1, sdpa.FEW_QUERIES + 1, 1)), False),  # more than a few
+                            (dict(q=q.repeat(1, 1, 2, 1), causal=False), False),  # two that see every key
+                            (dict(q=q.repeat(1, 1, 2, 1), window=30), False),  # a window short of the keys
+                            (dict(window=8), False),  # one query, a mask: not every key
+                            (dict(window=40), True),  # one query whose window reaches every key
                             (dict(alibi_slopes=torch.rand(6)), False),  # a bias
                             (dict(dropout_p=0.5), False),
                             (dict(q=q.clone().requires_grad_()), False),  # a gradient to take
