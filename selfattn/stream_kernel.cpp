@@ -350,7 +350,7 @@ inline float dot_row(const float* q, const T* k, int64_t d) {  // q (float32) . 
   return s;
 }
 
-// out[h] (N vectors of L, for G heads) = sum_j p[h][j] * v[j] over n rows of v, entries [0, N * L) of each
+// out[h] (N vectors of L, for G query rows h) = sum_j p[h][j] * v[j] over n rows of v, entries [0, N * L) of each
 template <int G, int N, typename T>
 inline void weigh_rows(const float* p, int64_t pstride, const T* v, int64_t sv, int64_t n, float* out, int64_t ostride) {
   f32x16 acc[G][N] = {};
