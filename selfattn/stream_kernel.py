@@ -17,8 +17,8 @@ is exact in float32), without widening either: SmolLM2's matrices there, one row
 A decoded token's attention reads the cache once too, and so does a speculative verification's (a
 few causal queries at the end of the keys): :func:`attend` splits the keys into fixed runs, each
 run's scores, exponentials and weighted values summed in float32 for every query row that reads its
-kv head, and merges the runs after (the sdpa backend calls it for such requests on the CPU; its
-docstring has the measurements against PyTorch's SDPA).
+kv head, and merges the runs after (the sdpa backend calls it for such requests on the CPU where
+the build is an AVX-512 one, :func:`attends`; its docstring has the measurements against SDPA).
 
 ``stream_kernel.cpp`` is compiled on first use with the machine's compiler (``$CXX`` or ``c++``;
 torch.compile needs one on the CPU too), about 6 s, for the widest instruction set the CPU runs
@@ -123,10 +123,18 @@ def failure(isa: str | None = None) -> str | None:
     return None
 
 
+# the builds whose attend beat PyTorch's SDPA, on the EPYC of the sdpa backend's docstring: the AVX-512 ones. GCC
+# lowers the AVX2 and baseline builds' 16-lane vectors partly to scalar moves: over 512 keys of SmolLM2's heads they
+# took 289 and 106 us against SDPA's 46 (and their products of one row by a 1536 x 576 matrix 606 and 173 us
+# against the AVX-512 build's 61, where decode_layout measures before it picks them)
+ATTENDS = ("avx512bf16", "avx512")
+
+
 @torch.compiler.assume_constant_result  # traced, a graph holds the answer it had then
-def builds() -> bool:
-    """Whether the kernel runs here (:func:`failure` is None): built and loaded at the first ask."""
-    return failure() is None
+def attends() -> bool:
+    """Whether :func:`attend` serves here: the kernel builds (:func:`failure` is None) for a set of
+    :data:`ATTENDS`. Built and loaded at the first ask."""
+    return failure() is None and chosen() in ATTENDS
 
 
 _loaded: dict[str, Any] = {}  # isa -> its operators (torch.ops.selfattn_stream_<isa>), once loaded

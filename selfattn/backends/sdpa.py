@@ -9,7 +9,8 @@ expressible to SDPA and are refused.
 
 On the CPU a decoded token (one query that sees every key) and a few plain causal queries at the end
 of the keys (a speculative verification, :data:`FEW_QUERIES` at most), without a gradient or dropout,
-attend in :func:`selfattn.stream_kernel.attend` where that kernel builds: the cache streamed once,
+attend in :func:`selfattn.stream_kernel.attend` where that kernel builds for AVX-512
+(:func:`selfattn.stream_kernel.attends`): the cache streamed once,
 summed in float32, whatever the dtype it is stored in. On a 2-core AMD EPYC (AVX-512, AVX512-BF16),
 one query of SmolLM2's heads (9 over 3 kv heads of 64) over 512 cached keys, 2 threads, medians of
 101: float32 19.6 us against SDPA's 41.5; bfloat16 22.2 against 286.5 (SDPA in bfloat16) and 75.7
@@ -19,7 +20,7 @@ against 109-125 in float32, 51 against 128-177 in bfloat16 (float32 SDPA). A com
 after a prompt of 512, the same weights, interleaved: float32 19.9-20.0 ms against 20.7-21.3 with
 SDPA, bfloat16 11.0-11.5 against 13.9-14.9.
 
-Where it does not build, a half-precision decoded token runs in float32 where that is faster, as
+Where it does not serve, a half-precision decoded token runs in float32 where that is faster, as
 this process measures once per dtype, heads and power of 2 of keys (:func:`one_query_in_float32`).
 On the same EPYC, one bfloat16 query of SmolLM2's heads (medians of 200): over 16 keys 27 us in
 bfloat16 against 33 in float32 with the casts, over 128 108 against 60, over 512 399 against 121,
@@ -82,14 +83,14 @@ def _streams(q: Tensor, k: Tensor, v: Tensor, mask: Mask, dropout_p: float) -> b
     """Whether a request attends in :func:`selfattn.stream_kernel.attend`: a decoded token (one query
     that sees every key) or up to :data:`FEW_QUERIES` plain causal queries at the end of the keys (a
     speculative verification, a short prompt), on the CPU, in dtypes it reads, without dropout or a
-    gradient, where the kernel builds. A graph traced for a dynamic number of queries keeps SDPA for
-    them: it would otherwise split at FEW_QUERIES into two graphs."""
+    gradient, where the kernel serves (:func:`selfattn.stream_kernel.attends`). A graph traced for a
+    dynamic number of queries keeps SDPA for them: it would otherwise split at FEW_QUERIES into two."""
     T, S = q.shape[2], k.shape[2]
     fits = mask.sees_every_key(1, S) if T == 1 else isinstance(T, int) and T <= FEW_QUERIES and mask.plain_causal
     return (fits and q.device.type == "cpu" and dropout_p == 0.0 and k.dtype == v.dtype
             and q.dtype in stream_kernel.ROW_DTYPES and k.dtype in stream_kernel.ROW_DTYPES
             and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))
-            and stream_kernel.builds())
+            and stream_kernel.attends())
 
 
 def _sdpa(q: Tensor, k: Tensor, v: Tensor, scale: float, dropout_p: float, *, attn_mask: Tensor | None = None,
@@ -121,10 +122,10 @@ def _attends_in_float32(q: Tensor, k: Tensor) -> bool:
 def decide_compiled(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int, device: torch.device) -> None:
     """Measure, before a graph is compiled, whether its decoded tokens of these heads attend faster
     in float32 (over :data:`COMPILED_KEYS` keys); graphs traced afterwards follow it. Once per
-    process for each; nothing to measure off the CPU, in float32, or where the kernel builds."""
+    process for each; nothing to measure off the CPU, in float32, or where the kernel serves."""
     key = (dtype, heads, kv_heads, head_dim)
     cpu = torch.device(device).type == "cpu"
-    if cpu and half(dtype) and key not in COMPILED_IN_FLOAT32 and not stream_kernel.builds():
+    if cpu and half(dtype) and key not in COMPILED_IN_FLOAT32 and not stream_kernel.attends():
         COMPILED_IN_FLOAT32[key] = one_query_in_float32(dtype, heads, kv_heads, head_dim, COMPILED_KEYS)
 
 
