@@ -1,5 +1,5 @@
 """C++ kernels for decoding, each streaming its operand from memory once: a few rows times a
-matrix (:func:`rows`), and one query per head over the KV cache (:func:`attend`).
+matrix (:func:`rows`), and a few causal queries per head over the KV cache (:func:`attend`).
 
 Decoding one token multiplies one row (or a few: a batch, a speculative verification) by every
 weight matrix, so a step lasts as long as the matrices take to stream from memory through the

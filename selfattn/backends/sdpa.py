@@ -10,8 +10,8 @@ expressible to SDPA and are refused.
 On the CPU a decoded token (one query that sees every key) and a few plain causal queries at the end
 of the keys (a speculative verification, :data:`FEW_QUERIES` at most), without a gradient or dropout,
 attend in :func:`selfattn.stream_kernel.attend` where that kernel builds for AVX-512
-(:func:`selfattn.stream_kernel.attends`): the cache streamed once,
-summed in float32, whatever the dtype it is stored in. On a 2-core AMD EPYC (AVX-512, AVX512-BF16),
+(:func:`selfattn.stream_kernel.attends`): the cache streamed once, summed in float32, whatever
+the dtype it is stored in. On a 2-core AMD EPYC (AVX-512, AVX512-BF16),
 one query of SmolLM2's heads (9 over 3 kv heads of 64) over 512 cached keys, 2 threads, medians of
 101: float32 19.6 us against SDPA's 41.5; bfloat16 22.2 against 286.5 (SDPA in bfloat16) and 75.7
 (in float32, the casts included); over 2048 keys 69.5 against 173.4 and 69.8 against 220.9. With
