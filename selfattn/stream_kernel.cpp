@@ -340,16 +340,6 @@ inline void dot_rows(const float* q, const T* k, int64_t sk, int64_t d, float* s
   }
 }
 
-template <typename T>
-inline float dot_row(const float* q, const T* k, int64_t d) {  // q (float32) . k, d entries
-  f32x16 acc = {};
-  int64_t i = 0;
-  for (; i + L <= d; i += L) acc = fma(load(q + i), load(k + i), acc);
-  float s = sum_lanes(acc);
-  for (; i < d; ++i) s += q[i] * static_cast<float>(k[i]);
-  return s;
-}
-
 // out[h] (N vectors of L, for G query rows h) = sum_j p[h][j] * v[j] over n rows of v, entries [0, N * L) of each
 template <int G, int N, typename T>
 inline void weigh_rows(const float* p, int64_t pstride, const T* v, int64_t sv, int64_t n, float* out, int64_t ostride) {
@@ -411,7 +401,7 @@ void attend_run(const float* qf, const T* k, const T* v, int64_t sk, int64_t sv,
     float m = -INFINITY, l = 0.0f;
     int64_t j = 0;
     for (; j + L <= seen; j += L) dot_rows(qr, k + (j0 + j) * sk, sk, D, pr + j);
-    for (; j < seen; ++j) pr[j] = dot_row(qr, k + (j0 + j) * sk, D);
+    for (; j < seen; ++j) dot<1>(k + (j0 + j) * sk, qr, D, pr + j);  // the last keys, fewer than L: the products' dot
     for (j = 0; j < seen; ++j) m = std::max(m, pr[j] *= scale);
     for (j = seen; j < KEYS; ++j) pr[j] = m;  // past what it sees: computed if in a vector, then zeroed
     for (j = 0; j < seen; j += L) {
