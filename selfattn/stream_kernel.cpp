@@ -12,9 +12,10 @@
 // alone or in a batch of rows (a speculative verification sums a token as a decode step does).
 //
 // Written with GCC/Clang vector extensions: one source for every instruction set; the build picks
-// it (AVX-512 with or without AVX512-BF16, AVX2 or the compiler's baseline). Intrinsics only where
-// GCC's generic code was slow or loose: widening int8, float16 and (AVX-512) bfloat16, the fused
-// multiply-add, and AVX512-BF16's pair products for bfloat16 rows x a bfloat16 matrix.
+// it (AVX-512 with or without AVX512-BF16, AVX2 or the compiler's baseline), and with it the sums'
+// order (the vectors' width). Intrinsics only where GCC's generic code was slow or loose: widening
+// int8, float16 and bfloat16, the fused multiply-add, and AVX512-BF16's pair products for bfloat16
+// rows x a bfloat16 matrix.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -27,100 +28,93 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <utility>
 #include <vector>
-#if defined(__AVX2__) || defined(__AVX512F__)
+#if defined(__SSE2__)
 #include <immintrin.h>
 #endif
 
 namespace {
 
-constexpr int L = 16;  // lanes of a vector: one AVX-512 register, two AVX2 ones
-constexpr int S = 4;   // partial sums per row (independent chains of fused multiply-adds)
+// A vector is one 256-bit register where the build has AVX2 (the AVX-512 builds too: their 512-bit
+// vectors streamed a float32 matrix slower on the EPYC, and a SmolLM2 step took 10% longer), else
+// one 128-bit register. (Vectors wider than the registers cost far more than two: GCC 12 lowers parts
+// of their operations through the stack; 16-lane vectors in the AVX2 build took 10x the time.)
+#if defined(__AVX2__)
+constexpr int L = 8;   // lanes of a vector
+#else
+constexpr int L = 4;
+#endif
 #if defined(__AVX512F__)
 constexpr int R = 4;   // rows per pass over a matrix row: R * S accumulators fit the 32 registers
 #else
-constexpr int R = 2;   // ... the 16 AVX2 ones (a vector takes two)
+constexpr int R = 2;   // ... the 16
 #endif
+constexpr int S = 4;   // partial sums per row (independent chains of fused multiply-adds)
 
-typedef float f32x16 __attribute__((vector_size(64)));
 typedef float f32x8 __attribute__((vector_size(32)));
 typedef float f32x4 __attribute__((vector_size(16)));
-typedef uint32_t u32x16 __attribute__((vector_size(64)));
-typedef uint16_t u16x16 __attribute__((vector_size(32)));
+using vec = std::conditional_t<L == 8, f32x8, f32x4>;
+typedef int32_t ivec __attribute__((vector_size(4 * L)));
+typedef uint32_t uvec __attribute__((vector_size(4 * L)));
+typedef uint16_t u16vec __attribute__((vector_size(2 * L)));
 
 // L consecutive entries widened to float32
-inline f32x16 load(const float* p) {
-  f32x16 v;
+inline vec load(const float* p) {
+  vec v;
   std::memcpy(&v, p, sizeof v);
   return v;
 }
 
-inline f32x16 load(const c10::BFloat16* p) {  // a bfloat16 is the top half of a float32
-#if defined(__AVX512F__)  // (GCC splits the generic form below into halves and reassembles them)
-  return (f32x16)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16);
+inline vec load(const c10::BFloat16* p) {  // a bfloat16 is the top half of a float32
+#if defined(__AVX2__)  // (GCC widens the generic form below in two halves)
+  return (vec)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16);
 #else
-  u16x16 h;
+  u16vec h;
   std::memcpy(&h, p, sizeof h);
-  return (f32x16)(__builtin_convertvector(h, u32x16) << 16);
+  return (vec)(__builtin_convertvector(h, uvec) << 16);
 #endif
 }
 
-inline f32x16 load(const c10::Half* p) {
-#if defined(__AVX512F__)
-  return (f32x16)_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-#elif defined(__F16C__)
-  __m256 halves[2] = {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
-                      _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)))};
-  f32x16 v;
-  std::memcpy(&v, halves, sizeof v);
-  return v;
+inline vec load(const c10::Half* p) {
+#if defined(__AVX2__) && defined(__F16C__)
+  return (vec)_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 #else
-  f32x16 v;
+  vec v;
   for (int i = 0; i < L; ++i) v[i] = static_cast<float>(p[i]);
   return v;
 #endif
 }
 
-inline f32x16 load(const int8_t* p) {  // GCC 12 widens an int8 vector entry by entry: intrinsics
-#if defined(__AVX512F__)
-  return (f32x16)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-#elif defined(__AVX2__)
-  __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  __m256 halves[2] = {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)),
-                      _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q, 8)))};
-  f32x16 v;
-  std::memcpy(&v, halves, sizeof v);
-  return v;
+inline vec load(const int8_t* p) {  // GCC 12 widens an int8 vector entry by entry: intrinsics
+#if defined(__AVX2__)
+  return (vec)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+#elif defined(__SSE2__)  // each byte repeated to fill a 32-bit lane, then shifted down with its sign
+  int32_t four;
+  std::memcpy(&four, p, sizeof four);
+  const __m128i bytes = _mm_cvtsi32_si128(four);
+  return (vec)_mm_cvtepi32_ps(_mm_srai_epi32(_mm_unpacklo_epi16(_mm_unpacklo_epi8(bytes, bytes), _mm_unpacklo_epi8(bytes, bytes)), 24));
 #else
-  f32x16 v;
+  vec v;
   for (int i = 0; i < L; ++i) v[i] = p[i];
   return v;
 #endif
 }
 
-inline f32x8 low(f32x16 v) { return __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7); }
-inline f32x8 high(f32x16 v) { return __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15); }
-
 // acc + a * b, rounded once where the machine fuses it. The build turns contraction off
 // (-ffp-contract=off): left to the compiler, one instance of a loop fused where another did not, and
 // a row's bits depended on the rows beside it.
-inline f32x16 fma(f32x16 a, f32x16 b, f32x16 acc) {
-#if defined(__AVX512F__)
-  return (f32x16)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)acc);
-#elif defined(__FMA__)
-  const f32x8 lo = (f32x8)_mm256_fmadd_ps((__m256)low(a), (__m256)low(b), (__m256)low(acc));
-  const f32x8 hi = (f32x8)_mm256_fmadd_ps((__m256)high(a), (__m256)high(b), (__m256)high(acc));
-  return __builtin_shufflevector(lo, hi, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+inline vec fma(vec a, vec b, vec acc) {
+#if defined(__AVX2__) && defined(__FMA__)
+  return (vec)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)acc);
 #else
   return acc + a * b;
 #endif
 }
 
-inline float sum_lanes(f32x16 v) {  // halves added pairwise: 16 -> 8 -> 4 -> 1, a fixed order
-  const f32x8 h = low(v) + high(v);
-  const f32x4 q = __builtin_shufflevector(h, h, 0, 1, 2, 3) + __builtin_shufflevector(h, h, 4, 5, 6, 7);
-  return (q[0] + q[2]) + (q[1] + q[3]);
-}
+// the sum of a vector's lanes, halves added pairwise (8 -> 4 -> 1): a fixed order
+inline float sum_lanes(f32x4 q) { return (q[0] + q[2]) + (q[1] + q[3]); }
+inline float sum_lanes(f32x8 h) { return sum_lanes(__builtin_shufflevector(h, h, 0, 1, 2, 3) + __builtin_shufflevector(h, h, 4, 5, 6, 7)); }
 
 // The sums of Rows rows x (each `in` long, float32) with one matrix row w, into sums[0 .. Rows).
 // Every loop over rows or partial sums is unrolled before GCC splits the accumulator array into
@@ -128,19 +122,19 @@ inline float sum_lanes(f32x16 v) {  // halves added pairwise: 16 -> 8 -> 4 -> 1,
 // zeroed and spilled around every matrix row, which halved the speed of a row of 576 entries.
 template <int Rows, typename W>
 inline void dot(const W* w, const float* x, int64_t in, float* sums) {
-  f32x16 acc[Rows][S] = {};
+  vec acc[Rows][S] = {};
   int64_t k = 0;
   for (; k + S * L <= in; k += S * L) {
 #pragma GCC unroll 4
     for (int s = 0; s < S; ++s) {
-      const f32x16 wv = load(w + k + s * L);
+      const vec wv = load(w + k + s * L);
 #pragma GCC unroll 4
       for (int r = 0; r < Rows; ++r) acc[r][s] = fma(wv, load(x + r * in + k + s * L), acc[r][s]);
     }
   }
   // the runs left over (fewer than S) continue the partial sums in turn, each s a constant
   const auto leftover = [&](auto s) {
-    const f32x16 wv = load(w + k);
+    const vec wv = load(w + k);
 #pragma GCC unroll 4
     for (int r = 0; r < Rows; ++r) acc[r][s] = fma(wv, load(x + r * in + k), acc[r][s]);
     k += L;
@@ -157,29 +151,29 @@ inline void dot(const W* w, const float* x, int64_t in, float* sums) {
 }
 
 #if defined(__AVX512BF16__)
-// bfloat16 rows x a bfloat16 matrix where the CPU has AVX512-BF16: vdpbf16ps takes a vector of 16
+// bfloat16 rows x a bfloat16 matrix where the CPU has AVX512-BF16: vdpbf16ps takes a vector of 8
 // pairs of each, multiplies them exactly and adds each pair's two products into the float32 sum of
 // its lane (denormals flushed), with no widening. S partial sums take runs of P entries in turn, as
 // dot's take runs of L: one order however many rows come together.
 constexpr int P = 2 * L;  // entries per vector
 
-inline __m512bh pairs(const c10::BFloat16* p) {
-  return (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(p));
+inline __m256bh pairs(const c10::BFloat16* p) {
+  return (__m256bh)_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
 }
 
 template <int Rows>
 inline void dot(const c10::BFloat16* w, const c10::BFloat16* x, int64_t in, float* sums) {
-  __m512 acc[Rows][S];
+  __m256 acc[Rows][S];
 #pragma GCC unroll 4
   for (int r = 0; r < Rows; ++r) {
 #pragma GCC unroll 4
-    for (int s = 0; s < S; ++s) acc[r][s] = _mm512_setzero_ps();
+    for (int s = 0; s < S; ++s) acc[r][s] = _mm256_setzero_ps();
   }
   int64_t k = 0;
   const auto run = [&](auto s) {  // the run of P entries at k into partial sum s
-    const __m512bh wv = pairs(w + k);
+    const __m256bh wv = pairs(w + k);
 #pragma GCC unroll 4
-    for (int r = 0; r < Rows; ++r) acc[r][s] = _mm512_dpbf16_ps(acc[r][s], wv, pairs(x + r * in + k));
+    for (int r = 0; r < Rows; ++r) acc[r][s] = _mm256_dpbf16_ps(acc[r][s], wv, pairs(x + r * in + k));
     k += P;
   };
   while (k + S * P <= in) {
@@ -194,7 +188,7 @@ inline void dot(const c10::BFloat16* w, const c10::BFloat16* x, int64_t in, floa
   if (k + P <= in) run(std::integral_constant<int, 2>{});
 #pragma GCC unroll 4
   for (int r = 0; r < Rows; ++r) {
-    sums[r] = sum_lanes((f32x16)_mm512_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]), _mm512_add_ps(acc[r][2], acc[r][3])));
+    sums[r] = sum_lanes((vec)_mm256_add_ps(_mm256_add_ps(acc[r][0], acc[r][1]), _mm256_add_ps(acc[r][2], acc[r][3])));
     for (int64_t j = k; j < in; ++j) sums[r] += static_cast<float>(w[j]) * static_cast<float>(x[r * in + j]);  // fewer than P
   }
 }
@@ -284,73 +278,93 @@ at::Tensor rows(const at::Tensor& w_, const at::Tensor& x_, const std::optional<
 // FlashAttention's split over keys does). The runs are fixed, so the bits do not depend on the
 // threads. k and v may be any views whose rows are contiguous (a cache's first S slots).
 constexpr int64_t KEYS = 128;  // keys per task
-typedef int32_t i32x16 __attribute__((vector_size(64)));
 
 // exp(x) for x <= 0, to about 1 ulp: x = n ln 2 + r with |r| <= ln 2 / 2, e^r by its Taylor
 // polynomial of degree 7, 2^n put in the exponent's bits; below -87 (a weight under 2^-126) it is
 // taken at -87, a weight of about 2^-125.5 (the sum it joins is at least 1)
-inline f32x16 exp_lanes(f32x16 x) {
-  x = x < -87.0f ? f32x16{} - 87.0f : x;
-  const f32x16 magic = f32x16{} + 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
-  const f32x16 n = (x * 1.44269504088896341f + magic) - magic;
-  const f32x16 r = (x - n * 0.693145751953125f) - n * 1.42860682030941723e-6f;  // ln 2 in two parts
-  f32x16 p = f32x16{} + 1.0f / 5040;
+inline vec exp_lanes(vec x) {
+  x = x < -87.0f ? vec{} - 87.0f : x;
+  const vec magic = vec{} + 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
+  const vec n = (x * 1.44269504088896341f + magic) - magic;
+  const vec r = (x - n * 0.693145751953125f) - n * 1.42860682030941723e-6f;  // ln 2 in two parts
+  vec p = vec{} + 1.0f / 5040;
   for (const float c : {1.0f / 720, 1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f}) p = p * r + c;
-  const i32x16 bits = (__builtin_convertvector(n, i32x16) + 127) << 23;
-  return p * (f32x16)bits;
+  const ivec bits = (__builtin_convertvector(n, ivec) + 127) << 23;
+  return p * (vec)bits;
 }
 
-// The sums of 16 vectors, lane i holding acc[i]'s: pairs of vectors halved and added, four times. The
-// tree takes the vectors in bit-reversed order, which leaves the sums in their own.
-inline f32x16 sum_each(const f32x16* acc) {
-  constexpr int bitrev[L] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
-  f32x16 a[L / 2], b[L / 4], c[L / 8];
-#pragma GCC unroll 8
-  for (int i = 0; i < L / 2; ++i) {  // 16 sums of 8
-    const f32x16 x = acc[bitrev[2 * i]], y = acc[bitrev[2 * i + 1]];
-    a[i] = __builtin_shufflevector(x, y, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
-           __builtin_shufflevector(x, y, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+// The sums of L vectors, lane i holding acc[i]'s, by a tree: the vectors taken in pairs, each pair's
+// halves exchanged and added (blocks of L / 2 lanes), then the L / 2 vectors so made in pairs with
+// blocks of L / 4, ..., down to one vector. Taking the vectors in bit-reversed order leaves the sums
+// in their own.
+constexpr int reversed(int i) {  // i's log2(L) bits reversed
+  int r = 0;
+  for (int bit = 1; bit < L; bit <<= 1) r = r << 1 | ((i & bit) != 0);
+  return r;
+}
+
+constexpr int pair_lane(int i, int block, int second) {  // lane i of a pair's halves, in blocks of x's and y's in turn
+  const int b = i / block, o = i % block;
+  return (b % 2 ? L : 0) + (b - b % 2 + second) * block + o;
+}
+
+template <int Block, std::size_t... I>
+inline vec add_pair(vec x, vec y, std::index_sequence<I...>) {
+  return __builtin_shufflevector(x, y, pair_lane(I, Block, 0)...) + __builtin_shufflevector(x, y, pair_lane(I, Block, 1)...);
+}
+
+template <int Block>
+inline vec tree(vec* a) {  // 2 * Block vectors -> 1
+#pragma GCC unroll 16
+  for (int i = 0; i < Block; ++i) a[i] = add_pair<Block>(a[2 * i], a[2 * i + 1], std::make_index_sequence<L>{});
+  if constexpr (Block == 1) {
+    return a[0];
+  } else {
+    return tree<Block / 2>(a);
   }
-#pragma GCC unroll 4
-  for (int i = 0; i < L / 4; ++i)  // of 4
-    b[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27) +
-           __builtin_shufflevector(a[2 * i], a[2 * i + 1], 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
-#pragma GCC unroll 2
-  for (int i = 0; i < L / 8; ++i)  // of 2
-    c[i] = __builtin_shufflevector(b[2 * i], b[2 * i + 1], 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29) +
-           __builtin_shufflevector(b[2 * i], b[2 * i + 1], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
-  return __builtin_shufflevector(c[0], c[1], 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30) +
-         __builtin_shufflevector(c[0], c[1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
+}
+
+inline vec sum_each(const vec* acc) {
+  vec a[L];
+#pragma GCC unroll 16
+  for (int i = 0; i < L; ++i) a[i] = acc[reversed(i)];
+  return tree<L / 2>(a);
 }
 
 // q (float32) . each of L rows of k (the first d entries of each, rows sk apart) into s[0 .. L)
 template <typename T>
 inline void dot_rows(const float* q, const T* k, int64_t sk, int64_t d, float* s) {
-  f32x16 acc[L] = {};
+  vec acc[L] = {};
   int64_t i = 0;
   for (; i + L <= d; i += L) {
-    const f32x16 qv = load(q + i);
+    const vec qv = load(q + i);
 #pragma GCC unroll 16
     for (int j = 0; j < L; ++j) acc[j] = fma(qv, load(k + j * sk + i), acc[j]);
   }
-  const f32x16 sums = sum_each(acc);
+  const vec sums = sum_each(acc);
   std::memcpy(s, &sums, sizeof sums);
   for (int j = 0; j < L; ++j) {  // the entries past the last 16
     for (int64_t t = i; t < d; ++t) s[j] += q[t] * static_cast<float>(k[j * sk + t]);
   }
 }
 
+#if defined(__AVX512F__)
+constexpr int NV = 4;  // vectors of a value row weighed at once: G * NV accumulators in the 32 registers
+#else
+constexpr int NV = 2;  // ... the 16
+#endif
+
 // out[h] (N vectors of L, for G query rows h) = sum_j p[h][j] * v[j] over n rows of v, entries [0, N * L) of each
 template <int G, int N, typename T>
 inline void weigh_rows(const float* p, int64_t pstride, const T* v, int64_t sv, int64_t n, float* out, int64_t ostride) {
-  f32x16 acc[G][N] = {};
+  vec acc[G][N] = {};
   for (int64_t j = 0; j < n; ++j) {
-    f32x16 row[N];
+    vec row[N];
 #pragma GCC unroll 4
     for (int b = 0; b < N; ++b) row[b] = load(v + j * sv + b * L);
 #pragma GCC unroll 4
     for (int h = 0; h < G; ++h) {
-      const f32x16 w = f32x16{} + p[h * pstride + j];
+      const vec w = vec{} + p[h * pstride + j];
 #pragma GCC unroll 4
       for (int b = 0; b < N; ++b) acc[h][b] = fma(w, row[b], acc[h][b]);
     }
@@ -360,8 +374,9 @@ inline void weigh_rows(const float* p, int64_t pstride, const T* v, int64_t sv, 
 
 template <int G, typename T>
 void weigh(const float* p, int64_t pstride, const T* v, int64_t sv, int64_t n, int64_t d, float* out, int64_t ostride) {
-  int64_t i = 0;  // blocks of 4 vectors, then what is left of them, then the entries past the last 16
-  for (; i + 4 * L <= d; i += 4 * L) weigh_rows<G, 4>(p, pstride, v + i, sv, n, out + i, ostride);
+  int64_t i = 0;  // blocks of NV vectors, then what is left of them, then the entries past the last L
+  for (; i + NV * L <= d; i += NV * L) weigh_rows<G, NV>(p, pstride, v + i, sv, n, out + i, ostride);
+  static_assert(NV <= 4, "three vectors left at most");
   switch ((d - i) / L) {
     case 3: weigh_rows<G, 3>(p, pstride, v + i, sv, n, out + i, ostride); break;
     case 2: weigh_rows<G, 2>(p, pstride, v + i, sv, n, out + i, ostride); break;
@@ -405,7 +420,7 @@ void attend_run(const float* qf, const T* k, const T* v, int64_t sk, int64_t sv,
     for (j = 0; j < seen; ++j) m = std::max(m, pr[j] *= scale);
     for (j = seen; j < KEYS; ++j) pr[j] = m;  // past what it sees: computed if in a vector, then zeroed
     for (j = 0; j < seen; j += L) {
-      const f32x16 e = exp_lanes(load(pr + j) - m);
+      const vec e = exp_lanes(load(pr + j) - m);
       std::memcpy(pr + j, &e, sizeof e);
     }
     std::fill(pr + seen, pr + KEYS, 0.0f);

@@ -5,20 +5,27 @@ Decoding one token multiplies one row (or a few: a batch, a speculative verifica
 weight matrix, so a step lasts as long as the matrices take to stream from memory through the
 product kernel. PyTorch's kernels stream them slower than the memory allows for some dtypes and
 machines; this one widens each entry to float32 as it arrives (bfloat16 and float16 by a shift or
-a conversion instruction, int8 with its per-row scale) and sums in float32. On a 2-core AMD EPYC,
-the matrices of SmolLM2-135M, one row, 2 threads, one process: float32 23.8 ms (22.6 GB/s, where
-a sum of the same bytes took 22.4 ms), bfloat16 13.0, int8 8.5; a compiled SmolLM2 step in
-bfloat16 14.5 ms against 16.7 with the loop ``torch.compile`` wrote for the CPU (the form it
-replaced), int8 11.1 against 16.3 with PyTorch's ``_weight_int8pack_mm``. Where the CPU has
+a conversion instruction, int8 with its per-row scale) and sums in float32. Where the CPU has
 AVX512-BF16, bfloat16 rows times a bfloat16 matrix take its pair products (each bfloat16 product
-is exact in float32), without widening either: SmolLM2's matrices there, one row 10.4 ms against
-11.7 widened, 8 rows 16.5 against 28.3, 16 rows 34.4 against 61.7.
+is exact in float32), without widening either. On a 2-core AMD EPYC, the 121 matrices of
+SmolLM2-135M, 2 threads, one process, medians of 7: one row float32 18.6 ms (28.9 GB/s; a sum of
+the same bytes 17.6 ms), bfloat16 9.8 (the sum 9.2), int8 6.4; 8 rows 32.6, 14.1 (widened 26.2)
+and 20.0. Earlier measurements: a compiled SmolLM2 step in bfloat16 14.5 ms against 16.7 with the
+loop ``torch.compile`` wrote for the CPU (the form it replaced), int8 11.1 against 16.3 with
+PyTorch's ``_weight_int8pack_mm``.
+
+The vectors are 256 bits wide in every build for a CPU with AVX2, the AVX-512 ones too: there
+512-bit vectors streamed SmolLM2's matrices slower from memory (float32 20.5 ms, 26.3 GB/s; int8
+18.5) and a compiled float32 SmolLM2 step took 22.5 ms against 20.1, though they were faster on a
+matrix the caches held. (16-lane vectors in the AVX2 build, which GCC lowers partly to scalar moves,
+took 10x the time of its 8-lane ones.)
 
 A decoded token's attention reads the cache once too, and so does a speculative verification's (a
 few causal queries at the end of the keys): :func:`attend` splits the keys into fixed runs, each
 run's scores, exponentials and weighted values summed in float32 for every query row that reads its
 kv head, and merges the runs after (the sdpa backend calls it for such requests on the CPU where
-the build is an AVX-512 one, :func:`attends`; its docstring has the measurements against SDPA).
+the build is an AVX2 or AVX-512 one, :func:`attends`; its docstring has the measurements against
+SDPA).
 
 ``stream_kernel.cpp`` is compiled on first use with the machine's compiler (``$CXX`` or ``c++``;
 torch.compile needs one on the CPU too), about 6 s, for the widest instruction set the CPU runs
@@ -123,11 +130,11 @@ def failure(isa: str | None = None) -> str | None:
     return None
 
 
-# the builds whose attend beat PyTorch's SDPA, on the EPYC of the sdpa backend's docstring: the AVX-512 ones. GCC
-# lowers the AVX2 and baseline builds' 16-lane vectors partly to scalar moves: over 512 keys of SmolLM2's heads they
-# took 289 and 106 us against SDPA's 46 (and their products of one row by a 1536 x 576 matrix 606 and 173 us
-# against the AVX-512 build's 61, where decode_layout measures before it picks them)
-ATTENDS = ("avx512bf16", "avx512")
+# the builds whose attend beat PyTorch's SDPA on the EPYC of the sdpa backend's docstring. One float32 query of
+# SmolLM2's heads, 30 layers' caches in turn, us a layer (AVX-512, AVX2 and baseline builds against SDPA): over 512
+# keys 33, 40 and 55 against 50, over 2048 (from memory) 205, 232 and 290 against 262 (the baseline's bfloat16, 63
+# over 512 keys, beat SDPA's 275, but hardly the float32 path the backend takes there)
+ATTENDS = ("avx512bf16", "avx512", "avx2")
 
 
 @torch.compiler.assume_constant_result  # traced, a graph holds the answer it had then

@@ -9,16 +9,15 @@ expressible to SDPA and are refused.
 
 On the CPU a decoded token (one query that sees every key) and a few plain causal queries at the end
 of the keys (a speculative verification, :data:`FEW_QUERIES` at most), without a gradient or dropout,
-attend in :func:`selfattn.stream_kernel.attend` where that kernel builds for AVX-512
+attend in :func:`selfattn.stream_kernel.attend` where that kernel builds for AVX2 or AVX-512
 (:func:`selfattn.stream_kernel.attends`): the cache streamed once, summed in float32, whatever
-the dtype it is stored in. On a 2-core AMD EPYC (AVX-512, AVX512-BF16),
-one query of SmolLM2's heads (9 over 3 kv heads of 64) over 512 cached keys, 2 threads, medians of
-101: float32 19.6 us against SDPA's 41.5; bfloat16 22.2 against 286.5 (SDPA in bfloat16) and 75.7
-(in float32, the casts included); over 2048 keys 69.5 against 173.4 and 69.8 against 220.9. With
-the cache out of the caches (32 MB streamed between layers, as a step's weights do) 55-62 us
-against 109-125 in float32, 51 against 128-177 in bfloat16 (float32 SDPA). A compiled SmolLM2 step
-after a prompt of 512, the same weights, interleaved: float32 19.9-20.0 ms against 20.7-21.3 with
-SDPA, bfloat16 11.0-11.5 against 13.9-14.9.
+the dtype it is stored in. On a 2-core AMD EPYC (AVX-512, AVX512-BF16), one query of SmolLM2's
+heads (9 over 3 kv heads of 64), 2 threads, 30 layers' caches in turn, medians of 7, us a layer:
+over 512 keys float32 33 against SDPA's 50, bfloat16 34 against 275; with the caches evicted between
+passes (as a step's weights do) float32 60 against 64, bfloat16 48 against 291; over 2048 keys
+(from memory) 205 against 262 and 145 against 1122. A compiled SmolLM2 step after a prompt of 512,
+the same weights, two graphs interleaved: float32 15.0-15.3 ms against 15.8-16.3 with SDPA,
+bfloat16 10.7-11.9 against 12.6-13.4.
 
 Where it does not serve, a half-precision decoded token runs in float32 where that is faster, as
 this process measures once per dtype, heads and power of 2 of keys (:func:`one_query_in_float32`).
