@@ -92,8 +92,8 @@ inline vec load(const int8_t* p) {  // GCC 12 widens an int8 vector entry by ent
 #elif defined(__SSE2__)  // each byte repeated to fill a 32-bit lane, then shifted down with its sign
   int32_t four;
   std::memcpy(&four, p, sizeof four);
-  const __m128i bytes = _mm_cvtsi32_si128(four);
-  return (vec)_mm_cvtepi32_ps(_mm_srai_epi32(_mm_unpacklo_epi16(_mm_unpacklo_epi8(bytes, bytes), _mm_unpacklo_epi8(bytes, bytes)), 24));
+  const __m128i bytes = _mm_cvtsi32_si128(four), twice = _mm_unpacklo_epi8(bytes, bytes);
+  return (vec)_mm_cvtepi32_ps(_mm_srai_epi32(_mm_unpacklo_epi16(twice, twice), 24));
 #else
   vec v;
   for (int i = 0; i < L; ++i) v[i] = p[i];
