@@ -99,8 +99,8 @@ def _sdpa(q: Tensor, k: Tensor, v: Tensor, scale: float, dropout_p: float, *, at
 
 
 # the most queries the kernel takes: its time grows with the queries, SDPA's less; over 512 keys of SmolLM2's
-# heads on the EPYC (2 threads, medians of 51) 4 queries took 55 us against SDPA's 74 with a mask, 8 took 100 to
-# 108 (bfloat16 91 against 128 and 164 to 170)
+# heads on the EPYC (2 threads, 30 layers' caches evicted between passes, medians of 7, us a layer) 4 queries took
+# 98 against SDPA's 106 with a mask, 6 143 against 146, 8 176 against 148 (bfloat16 98 against 117, 183 against 156)
 FEW_QUERIES = 4
 COMPILED_KEYS = 512  # the keys a compiled graph's choice is measured over: a prompt and an answer of some length
 # (dtype, heads, kv_heads, head_dim) -> whether compiled graphs attend a decoded token of these heads in float32
