@@ -59,6 +59,14 @@ typedef int32_t ivec __attribute__((vector_size(4 * L)));
 typedef uint32_t uvec __attribute__((vector_size(4 * L)));
 typedef uint16_t u16vec __attribute__((vector_size(2 * L)));
 
+inline vec splat(float x) {  // x in every lane
+  vec v;
+  for (int i = 0; i < L; ++i) v[i] = x;
+  return v;
+}
+
+inline void store(float* p, vec v) { std::memcpy(p, &v, sizeof v); }
+
 // L consecutive entries widened to float32
 inline vec load(const float* p) {
   vec v;
@@ -313,23 +321,25 @@ inline vec add_pair(vec x, vec y, std::index_sequence<I...>) {
   return __builtin_shufflevector(x, y, pair_lane(I, Block, 0)...) + __builtin_shufflevector(x, y, pair_lane(I, Block, 1)...);
 }
 
-template <int Block>
-inline vec tree(vec* a) {  // 2 * Block vectors -> 1
-#pragma GCC unroll 16
-  for (int i = 0; i < Block; ++i) a[i] = add_pair<Block>(a[2 * i], a[2 * i + 1], std::make_index_sequence<L>{});
+// (Every index below is a constant as the code is parsed, not only once loops are unrolled: GCC keeps
+// the callers' accumulator arrays in registers only then, and stored them to memory at every step.)
+template <int Block, std::size_t... I>
+inline vec tree(const vec* a, std::index_sequence<I...>) {  // 2 * Block vectors -> 1
+  const vec pairs[Block] = {add_pair<Block>(a[2 * I], a[2 * I + 1], std::make_index_sequence<L>{})...};
   if constexpr (Block == 1) {
-    return a[0];
+    return pairs[0];
   } else {
-    return tree<Block / 2>(a);
+    return tree<Block / 2>(pairs, std::make_index_sequence<Block / 2>{});
   }
 }
 
-inline vec sum_each(const vec* acc) {
-  vec a[L];
-#pragma GCC unroll 16
-  for (int i = 0; i < L; ++i) a[i] = acc[reversed(i)];
-  return tree<L / 2>(a);
+template <std::size_t... I>
+inline vec sum_each(const vec* acc, std::index_sequence<I...>) {
+  const vec a[L] = {acc[reversed(I)]...};
+  return tree<L / 2>(a, std::make_index_sequence<L / 2>{});
 }
+
+inline vec sum_each(const vec* acc) { return sum_each(acc, std::make_index_sequence<L>{}); }
 
 // q (float32) . each of L rows of k (the first d entries of each, rows sk apart) into s[0 .. L)
 template <typename T>
@@ -364,12 +374,16 @@ inline void weigh_rows(const float* p, int64_t pstride, const T* v, int64_t sv, 
     for (int b = 0; b < N; ++b) row[b] = load(v + j * sv + b * L);
 #pragma GCC unroll 4
     for (int h = 0; h < G; ++h) {
-      const vec w = vec{} + p[h * pstride + j];
+      const vec w = splat(p[h * pstride + j]);
 #pragma GCC unroll 4
       for (int b = 0; b < N; ++b) acc[h][b] = fma(w, row[b], acc[h][b]);
     }
   }
-  for (int h = 0; h < G; ++h) std::memcpy(out + h * ostride, acc[h], sizeof acc[h]);
+#pragma GCC unroll 4
+  for (int h = 0; h < G; ++h) {
+#pragma GCC unroll 4
+    for (int b = 0; b < N; ++b) store(out + h * ostride + b * L, acc[h][b]);  // (a copy of the array kept it in memory)
+  }
 }
 
 template <int G, typename T>
@@ -417,14 +431,23 @@ void attend_run(const float* qf, const T* k, const T* v, int64_t sk, int64_t sv,
     int64_t j = 0;
     for (; j + L <= seen; j += L) dot_rows(qr, k + (j0 + j) * sk, sk, D, pr + j);
     for (; j < seen; ++j) dot<1>(k + (j0 + j) * sk, qr, D, pr + j);  // the last keys, fewer than L: the products' dot
-    for (j = 0; j < seen; ++j) m = std::max(m, pr[j] *= scale);
+    vec top = vec{} - INFINITY;  // each lane's maximum score
+    for (j = 0; j + L <= seen; j += L) {
+      const vec scores = load(pr + j) * scale;
+      std::memcpy(pr + j, &scores, sizeof scores);
+      top = top > scores ? top : scores;
+    }
+    for (; j < seen; ++j) m = std::max(m, pr[j] *= scale);
+    for (int i = 0; i < L; ++i) m = std::max(m, top[i]);
     for (j = seen; j < KEYS; ++j) pr[j] = m;  // past what it sees: computed if in a vector, then zeroed
     for (j = 0; j < seen; j += L) {
       const vec e = exp_lanes(load(pr + j) - m);
       std::memcpy(pr + j, &e, sizeof e);
     }
     std::fill(pr + seen, pr + KEYS, 0.0f);
-    for (j = 0; j < seen; ++j) l += pr[j];
+    vec sum{};  // the exponentials summed in L lanes, then across them
+    for (j = 0; j < KEYS; j += L) sum += load(pr + j);
+    l = sum_lanes(sum);
     part[r * (D + 2)] = m, part[r * (D + 2) + 1] = l;
   }
   for (int64_t r = 0; r < rows; r += 4) {  // the values weighed for 4 rows at a time, each value read once

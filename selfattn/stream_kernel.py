@@ -132,8 +132,8 @@ def failure(isa: str | None = None) -> str | None:
 
 # the builds whose attend beat PyTorch's SDPA on the EPYC of the sdpa backend's docstring. One float32 query of
 # SmolLM2's heads, 30 layers' caches in turn, us a layer (AVX-512, AVX2 and baseline builds against SDPA): over 512
-# keys 33, 40 and 55 against 50, over 2048 (from memory) 205, 232 and 290 against 262 (the baseline's bfloat16, 63
-# over 512 keys, beat SDPA's 275, but hardly the float32 path the backend takes there)
+# keys 35, 33 and 49 against 48, over 2048 (from memory) 197, 203 and 257 against 247 (the baseline's bfloat16, 64
+# over 512 keys, beat SDPA's 278, but hardly the float32 path the backend takes there)
 ATTENDS = ("avx512bf16", "avx512", "avx2")
 
 

@@ -13,11 +13,11 @@ attend in :func:`selfattn.stream_kernel.attend` where that kernel builds for AVX
 (:func:`selfattn.stream_kernel.attends`): the cache streamed once, summed in float32, whatever
 the dtype it is stored in. On a 2-core AMD EPYC (AVX-512, AVX512-BF16), one query of SmolLM2's
 heads (9 over 3 kv heads of 64), 2 threads, 30 layers' caches in turn, medians of 7, us a layer:
-over 512 keys float32 33 against SDPA's 50, bfloat16 34 against 275; with the caches evicted between
-passes (as a step's weights do) float32 60 against 64, bfloat16 48 against 291; over 2048 keys
-(from memory) 205 against 262 and 145 against 1122. A compiled SmolLM2 step after a prompt of 512,
-the same weights, two graphs interleaved: float32 15.0-15.3 ms against 15.8-16.3 with SDPA,
-bfloat16 10.7-11.9 against 12.6-13.4.
+over 512 keys float32 35 against SDPA's 48, bfloat16 25 against 278; with the caches evicted between
+passes (as a step's weights do) float32 57 against 61, bfloat16 42 against 287; over 2048 keys
+(from memory) 197 against 247 and 123 against 1109. A compiled SmolLM2 step after a prompt of 512,
+the same weights, two graphs interleaved (on a slower stretch of the VM than the decode tables'):
+float32 19.8-20.1 ms against 20.3-21.2 with SDPA, bfloat16 10.7-12.0 against 12.8-13.8.
 
 Where it does not serve, a half-precision decoded token runs in float32 where that is faster, as
 this process measures once per dtype, heads and power of 2 of keys (:func:`one_query_in_float32`).
