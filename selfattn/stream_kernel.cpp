@@ -351,9 +351,8 @@ inline void dot_rows(const float* q, const T* k, int64_t sk, int64_t d, float* s
 #pragma GCC unroll 16
     for (int j = 0; j < L; ++j) acc[j] = fma(qv, load(k + j * sk + i), acc[j]);
   }
-  const vec sums = sum_each(acc);
-  std::memcpy(s, &sums, sizeof sums);
-  for (int j = 0; j < L; ++j) {  // the entries past the last 16
+  store(s, sum_each(acc));
+  for (int j = 0; j < L; ++j) {  // the entries past the last L
     for (int64_t t = i; t < d; ++t) s[j] += q[t] * static_cast<float>(k[j * sk + t]);
   }
 }
@@ -434,15 +433,14 @@ void attend_run(const float* qf, const T* k, const T* v, int64_t sk, int64_t sv,
     vec top = vec{} - INFINITY;  // each lane's maximum score
     for (j = 0; j + L <= seen; j += L) {
       const vec scores = load(pr + j) * scale;
-      std::memcpy(pr + j, &scores, sizeof scores);
+      store(pr + j, scores);
       top = top > scores ? top : scores;
     }
     for (; j < seen; ++j) m = std::max(m, pr[j] *= scale);
     for (int i = 0; i < L; ++i) m = std::max(m, top[i]);
     for (j = seen; j < KEYS; ++j) pr[j] = m;  // past what it sees: computed if in a vector, then zeroed
     for (j = 0; j < seen; j += L) {
-      const vec e = exp_lanes(load(pr + j) - m);
-      std::memcpy(pr + j, &e, sizeof e);
+      store(pr + j, exp_lanes(load(pr + j) - m));
     }
     std::fill(pr + seen, pr + KEYS, 0.0f);
     vec sum{};  // the exponentials summed in L lanes, then across them
