@@ -47,8 +47,10 @@ constexpr int L = 4;
 #endif
 #if defined(__AVX512F__)
 constexpr int R = 4;   // rows per pass over a matrix row: R * S accumulators fit the 32 registers
+constexpr int NV = 4;  // vectors of a value row weighed at once (attend): G * NV accumulators, G <= 4
 #else
 constexpr int R = 2;   // ... the 16
+constexpr int NV = 2;
 #endif
 constexpr int S = 4;   // partial sums per row (independent chains of fused multiply-adds)
 
@@ -357,12 +359,6 @@ inline void dot_rows(const float* q, const T* k, int64_t sk, int64_t d, float* s
   }
 }
 
-#if defined(__AVX512F__)
-constexpr int NV = 4;  // vectors of a value row weighed at once: G * NV accumulators in the 32 registers
-#else
-constexpr int NV = 2;  // ... the 16
-#endif
-
 // out[h] (N vectors of L, for G query rows h) = sum_j p[h][j] * v[j] over n rows of v, entries [0, N * L) of each
 template <int G, int N, typename T>
 inline void weigh_rows(const float* p, int64_t pstride, const T* v, int64_t sv, int64_t n, float* out, int64_t ostride) {
@@ -426,11 +422,11 @@ void attend_run(const float* qf, const T* k, const T* v, int64_t sk, int64_t sv,
     const int64_t seen = std::clamp<int64_t>(S - queries + r % queries + 1 - j0, 0, n);  // keys of the run it sees
     const float* qr = qf + r * D;
     float* pr = p.data() + r * KEYS;
-    float m = -INFINITY, l = 0.0f;
+    float m = -INFINITY;
     int64_t j = 0;
     for (; j + L <= seen; j += L) dot_rows(qr, k + (j0 + j) * sk, sk, D, pr + j);
     for (; j < seen; ++j) dot<1>(k + (j0 + j) * sk, qr, D, pr + j);  // the last keys, fewer than L: the products' dot
-    vec top = vec{} - INFINITY;  // each lane's maximum score
+    vec top = splat(-INFINITY);  // each lane's maximum score
     for (j = 0; j + L <= seen; j += L) {
       const vec scores = load(pr + j) * scale;
       store(pr + j, scores);
@@ -445,8 +441,7 @@ void attend_run(const float* qf, const T* k, const T* v, int64_t sk, int64_t sv,
     std::fill(pr + seen, pr + KEYS, 0.0f);
     vec sum{};  // the exponentials summed in L lanes, then across them
     for (j = 0; j < KEYS; j += L) sum += load(pr + j);
-    l = sum_lanes(sum);
-    part[r * (D + 2)] = m, part[r * (D + 2) + 1] = l;
+    part[r * (D + 2)] = m, part[r * (D + 2) + 1] = sum_lanes(sum);
   }
   for (int64_t r = 0; r < rows; r += 4) {  // the values weighed for 4 rows at a time, each value read once
     const float* pr = p.data() + r * KEYS;
