@@ -20,6 +20,10 @@ then a fixed cache size, then the step that fills the cache, whose keys are the 
 That last one still costs a graph of its own, so :meth:`GPT.generate` gives a compiled model's
 caches one slot more than the generation fills.
 
+Where the model is Llama-shaped and the C++ kernels build, a step without padding is no graph at
+all but one call of :mod:`selfattn.decode_kernel` (every operation of the step in one parallel
+region: none of the guards, wrapper and per-kernel costs below); the graphs serve the rest.
+
 Speculative decoding (:mod:`selfattn.speculative`) feeds a varying number of tokens at once
 through a range of blocks: all of them (a verification), the first N (self-speculation's
 drafts) or the rest (its verification). :meth:`CompiledDecode.hidden` compiles ``GPT._hidden``
@@ -50,6 +54,7 @@ from collections.abc import Iterator, Sequence
 import torch
 from torch import Tensor, nn
 
+from selfattn import decode_kernel
 from selfattn._compiling import compile_own
 from selfattn.backends import sdpa
 from selfattn.kv_cache import KVCache
@@ -106,6 +111,7 @@ class CompiledDecode:
             raise ValueError(f"compile_decode: {why}; decode this model without it")
         self.model, self.number, self.runs, self.decided = model, next(_models), {}, set()
         self._step = _compile(_step, f"decode_step_{self.number}")
+        self.kernel = decode_kernel.KernelStep(model) if decode_kernel.unsupported(model) is None else None
 
     def _decide(self) -> None:
         """What a graph decides by measuring, measured before it is traced for the model's dtype:
@@ -117,7 +123,10 @@ class CompiledDecode:
             self.decided.add(w.dtype)
 
     def step(self, idx: Tensor, mask: Tensor | None, cache: Sequence[KVCache], past: int) -> Tensor:
-        """Logits ``(B, V)`` after ``idx`` ``(B, 1)`` (``GPT._next_logits``), compiled."""
+        """Logits ``(B, V)`` after ``idx`` ``(B, 1)`` (``GPT._next_logits``), compiled: by the decode
+        kernel where it serves the model and the step (:mod:`selfattn.decode_kernel`), else a graph."""
+        if self.kernel is not None and self.kernel.serves(mask, cache):
+            return self.kernel(idx, cache, past)
         self._decide()
         with _compiling():
             return self._step(self.model, idx, mask, cache, past)

@@ -212,21 +212,25 @@ inline void block(const W* w, const X* x, int64_t in, float* sums, int rows) {
   dot<Rows>(w, x, in, sums);
 }
 
-// y (N, out), written as Y; x (N, in) float32, or bfloat16 for dot's pairs
+// y (N, out), written as Y, its columns [begin, end) (matrix rows); x (N, in) float32, or bfloat16 for dot's pairs
+template <typename W, typename X, typename Y>
+void products_of(const W* w, const X* x, const float* scale, Y* y, int64_t n, int64_t out, int64_t in, int64_t begin,
+                 int64_t end) {
+  float sums[R];
+  for (int64_t o = begin; o < end; ++o) {
+    const float s = scale ? scale[o] : 1.0f;
+    for (int64_t r = 0; r < n; r += R) {  // the matrix row stays in L1 while every block of rows passes
+      const int rows = static_cast<int>(std::min<int64_t>(R, n - r));
+      block<R>(w + o * in, x + r * in, in, sums, rows);
+      for (int i = 0; i < rows; ++i) y[(r + i) * out + o] = static_cast<Y>(scale ? sums[i] * s : sums[i]);
+    }
+  }
+}
+
 template <typename W, typename X, typename Y>
 void products(const W* w, const X* x, const float* scale, Y* y, int64_t n, int64_t out, int64_t in) {
   const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(in, 1));  // matrix rows per task: 64 K entries
-  at::parallel_for(0, out, grain, [&](int64_t begin, int64_t end) {
-    float sums[R];
-    for (int64_t o = begin; o < end; ++o) {
-      const float s = scale ? scale[o] : 1.0f;
-      for (int64_t r = 0; r < n; r += R) {  // the matrix row stays in L1 while every block of rows passes
-        const int rows = static_cast<int>(std::min<int64_t>(R, n - r));
-        block<R>(w + o * in, x + r * in, in, sums, rows);
-        for (int i = 0; i < rows; ++i) y[(r + i) * out + o] = static_cast<Y>(scale ? sums[i] * s : sums[i]);
-      }
-    }
-  });
+  at::parallel_for(0, out, grain, [&](int64_t begin, int64_t end) { products_of(w, x, scale, y, n, out, in, begin, end); });
 }
 
 template <typename W, typename X>
@@ -455,28 +459,26 @@ void attend_run(const float* qf, const T* k, const T* v, int64_t sk, int64_t sv,
   }
 }
 
-template <typename T, typename Q>
-void attend_all(const at::Tensor& qf, const at::Tensor& k, const at::Tensor& v, float scale, Q* out) {
-  const int64_t B = k.size(0), Hkv = k.size(1), S = k.size(2), D = k.size(3), H = qf.size(1), Tq = qf.size(2);
-  const int64_t rows = H / Hkv * Tq;  // the query rows of a kv head: its g heads' T queries, contiguous in q
-  const int64_t runs = (S + KEYS - 1) / KEYS, tasks = B * Hkv * runs;
-  at::Tensor parts = at::empty({tasks, rows, D + 2}, qf.options());  // (B, Hkv, runs) x (rows, m l acc)
-  const float* q = qf.data_ptr<float>();
-  const T* kp = k.data_ptr<T>();
-  const T* vp = v.data_ptr<T>();
-  float* pp = parts.data_ptr<float>();
-  const int64_t grain = std::max<int64_t>(1, (1 << 15) / (KEYS * rows * D));  // a task's products: 32 K or more
-  at::parallel_for(0, tasks, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t b = t / (Hkv * runs), kh = t / runs % Hkv, j0 = t % runs * KEYS;
-      attend_run(q + (b * Hkv + kh) * rows * D, kp + b * k.stride(0) + kh * k.stride(1), vp + b * v.stride(0) + kh * v.stride(1),
-                 k.stride(2), v.stride(2), j0, std::min(S, j0 + KEYS), rows, Tq, S, D, scale, pp + t * rows * (D + 2));
-    }
-  });
+// The runs of keys of attend: task t is run t % runs of kv head t / runs % Hkv of batch row t / (Hkv * runs); q (B, H, T,
+// D) float32; k and v (B, Hkv, S, D) of strides ks and vs (rows contiguous); the parts (tasks, rows, D + 2) of attend_run.
+template <typename T>
+void attend_tasks(const float* q, const T* k, const int64_t* ks, const T* v, const int64_t* vs, int64_t Hkv, int64_t S,
+                  int64_t D, int64_t rows, int64_t Tq, float scale, float* parts, int64_t begin, int64_t end) {
+  const int64_t runs = (S + KEYS - 1) / KEYS;
+  for (int64_t t = begin; t < end; ++t) {
+    const int64_t b = t / (Hkv * runs), kh = t / runs % Hkv, j0 = t % runs * KEYS;
+    attend_run(q + (b * Hkv + kh) * rows * D, k + b * ks[0] + kh * ks[1], v + b * vs[0] + kh * vs[1], ks[2], vs[2], j0,
+               std::min(S, j0 + KEYS), rows, Tq, S, D, scale, parts + t * rows * (D + 2));
+  }
+}
+
+// query rows [begin, end) of attend's output (B * Hkv * rows of them, in q's order): each row's runs merged in order,
+// rescaled to the maximum
+template <typename Q>
+void merge_runs(const float* parts, int64_t runs, int64_t rows, int64_t D, Q* out, int64_t begin, int64_t end) {
   std::vector<float> acc(D);
-  for (int64_t i = 0; i < B * Hkv * rows; ++i) {  // each query row's runs merged in order, rescaled to the maximum
-    const int64_t b = i / (Hkv * rows), kh = i / rows % Hkv, r = i % rows;
-    const float* first = pp + ((b * Hkv + kh) * runs * rows + r) * (D + 2);
+  for (int64_t i = begin; i < end; ++i) {
+    const float* first = parts + ((i / rows) * runs * rows + i % rows) * (D + 2);
     float m = -INFINITY, l = 0.0f;
     for (int64_t run = 0; run < runs; ++run) m = std::max(m, first[run * rows * (D + 2)]);
     std::fill(acc.begin(), acc.end(), 0.0f);
@@ -488,6 +490,21 @@ void attend_all(const at::Tensor& qf, const at::Tensor& k, const at::Tensor& v, 
     }
     for (int64_t c = 0; c < D; ++c) out[i * D + c] = static_cast<Q>(acc[c] / l);
   }
+}
+
+template <typename T, typename Q>
+void attend_all(const at::Tensor& qf, const at::Tensor& k, const at::Tensor& v, float scale, Q* out) {
+  const int64_t B = k.size(0), Hkv = k.size(1), S = k.size(2), D = k.size(3), H = qf.size(1), Tq = qf.size(2);
+  const int64_t rows = H / Hkv * Tq;  // the query rows of a kv head: its g heads' T queries, contiguous in q
+  const int64_t runs = (S + KEYS - 1) / KEYS, tasks = B * Hkv * runs;
+  at::Tensor parts = at::empty({tasks, rows, D + 2}, qf.options());  // (B, Hkv, runs) x (rows, m l acc)
+  float* pp = parts.data_ptr<float>();
+  const int64_t grain = std::max<int64_t>(1, (1 << 15) / (KEYS * rows * D));  // a task's products: 32 K or more
+  at::parallel_for(0, tasks, grain, [&](int64_t begin, int64_t end) {
+    attend_tasks(qf.data_ptr<float>(), k.data_ptr<T>(), k.strides().data(), v.data_ptr<T>(), v.strides().data(), Hkv, S, D,
+                 rows, Tq, scale, pp, begin, end);
+  });
+  merge_runs(pp, runs, rows, D, out, 0, B * Hkv * rows);
 }
 
 template <typename T>
@@ -521,6 +538,8 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k_, const at::Tensor& v
   return out;
 }
 
+#include "decode_kernel.h"
+
 }  // namespace
 
 // the namespace the build names (-DSELFATTN_NAMESPACE), expanded before TORCH_LIBRARY pastes it
@@ -529,8 +548,11 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k_, const at::Tensor& v
 SELFATTN_DEFINE(SELFATTN_NAMESPACE) {
   m.def("rows(Tensor w, Tensor x, Tensor? scale) -> Tensor");
   m.def("attend(Tensor q, Tensor k, Tensor v, float scale) -> Tensor");
+  m.def("step(Tensor tokens, int past, Tensor wte, Tensor[] norms, Tensor[] matrices, Tensor?[] scales, Tensor(a!)[] caches, "
+        "Tensor cos, Tensor sin, int n_head, float eps, float scale) -> Tensor");
 }
 SELFATTN_IMPLEMENT(SELFATTN_NAMESPACE) {
   m.impl("rows", &rows);
   m.impl("attend", &attend);
+  m.impl("step", &step);
 }

@@ -55,6 +55,7 @@ from selfattn import _files
 from selfattn.backends import _common
 
 SOURCE = Path(__file__).with_suffix(".cpp")
+HEADER = SOURCE.with_name("decode_kernel.h")  # one decode step, built into the same library (selfattn.decode_kernel)
 # instruction set -> the compiler's flags for it, fastest first
 FLAGS = {
     "avx512bf16": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mavx2", "-mfma", "-mf16c"),
@@ -200,7 +201,8 @@ def _build(isa: str) -> Path:
     """The shared library for ``isa``: from the cache when the same source, flags and torch built
     it, else compiled into a temporary beside it and renamed (a concurrent build loses nothing)."""
     command = _command(isa, Path("OUT"))
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(command).encode() + torch.__version__.encode()).hexdigest()
+    sources = SOURCE.read_bytes() + HEADER.read_bytes()
+    key = hashlib.sha256(sources + " ".join(command).encode() + torch.__version__.encode()).hexdigest()
     library = _files.cache_dir() / "kernels" / f"stream_kernel-{isa}-{key[:16]}.so"
     if library.exists():
         return library

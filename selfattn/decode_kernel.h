@@ -1,0 +1,213 @@
+// One decode step of a decoder whose blocks are Llama's, as one call: the embedding, every block and
+// the head in one parallel region of the machine's threads, which meet at a barrier between the
+// operations where each needs all of the one before (selfattn/decode_kernel.py says which models, and
+// why). Included by stream_kernel.cpp inside its namespace: the products are its products_of, the
+// attention its attend_tasks and merge_runs.
+//
+//   step(tokens (B,), past, wte (V, C), norms, matrices, scales, caches, cos, sin, n_head, eps, scale)
+//     -> logits (B, V) in wte's dtype A
+//
+// norms: each layer's two RMSNorm weights (C,), then the final one; matrices: each layer's qkv
+// ((H + 2 Hkv) D, C), proj (C, H D), gate_up (2 I, C) and down (C, I), then the head (V, C), all of
+// one dtype W (A, or int8 with a float32 scale (out,) each in scales); caches: each layer's k and v
+// (B, Hkv, max_len, D) in A, the token written at slot past; cos and sin (positions, R / 2) float32,
+// the rotary angles of the first R channels of each head (their attention factor in them).
+//
+// Every value is rounded to A where the model's own step rounds it (a tensor of A holds it): the
+// residual stream, each norm before and after its weight, each product, the rotated q and k, the
+// attention's output, SiLU and its product with up. So a float32 step sums as the model's does up to
+// the order of a few sums (the norms' mean of squares), and a half-precision one rounds as its eager
+// step does, not as a fused graph does.
+#include <omp.h>
+
+template <typename A>
+inline float as_stored(float x) {  // x rounded to A, as a tensor of A holds it
+  return static_cast<float>(static_cast<A>(x));
+}
+
+// ((offset 0) weight * x / sqrt(mean(x^2) + eps)) of one row of C, each factor rounded to A as RMSNorm does
+template <typename A, typename X>
+void rms_norm(const A* x, const A* w, int64_t C, float eps, X* out) {
+  float squares = 0.0f;
+  for (int64_t c = 0; c < C; ++c) squares += static_cast<float>(x[c]) * static_cast<float>(x[c]);
+  const float r = 1.0f / std::sqrt(squares / static_cast<float>(C) + eps);
+  for (int64_t c = 0; c < C; ++c) out[c] = static_cast<X>(as_stored<A>(static_cast<float>(w[c]) * as_stored<A>(static_cast<float>(x[c]) * r)));
+}
+
+// the first 2 * half channels of a head rotated: (x1 cos - x2 sin, x2 cos + x1 sin), in float32, rounded to A
+template <typename A>
+void rotate(const A* x, const float* cos, const float* sin, int64_t half, int64_t D, float* out) {
+  for (int64_t i = 0; i < half; ++i) {
+    const float x1 = static_cast<float>(x[i]), x2 = static_cast<float>(x[i + half]);
+    out[i] = as_stored<A>(x1 * cos[i] + x2 * -sin[i]);
+    out[i + half] = as_stored<A>(x2 * cos[i] + x1 * sin[i]);
+  }
+  for (int64_t i = 2 * half; i < D; ++i) out[i] = static_cast<float>(x[i]);
+}
+
+struct Dims {
+  int64_t B, C, H, Hkv, D, half, I, V, layers, max_len, past;
+  float eps, scale;
+};
+
+template <typename A, typename W>
+struct Weights {
+  const A* wte;
+  std::vector<const A*> norms;         // 2 per layer, then the final one
+  std::vector<const W*> matrices;      // 4 per layer (qkv, proj, gate_up, down), then the head
+  std::vector<const float*> scales;    // one per matrix, nullptr but for int8
+  std::vector<A*> caches;              // k, v per layer
+  const float *cos, *sin;              // the angles of the step's position, half each
+};
+
+// X: the products' rows, float32 (holding values of A) or bfloat16 where the CPU pairs them with a bfloat16 matrix
+template <typename A, typename W, typename X>
+void decode(const Weights<A, W>& m, const Dims& d, const int64_t* tokens, A* logits) {
+  const int64_t B = d.B, C = d.C, H = d.H, Hkv = d.Hkv, D = d.D, I = d.I, g = H / Hkv;
+  const int64_t QKV = (H + 2 * Hkv) * D, S = d.past + 1, runs = (S + KEYS - 1) / KEYS, tasks = B * Hkv * runs;
+  std::vector<A> x(B * C), qkv(B * QKV), y(B * C), gate_up(B * 2 * I), heads(B * H * D);
+  std::vector<X> h(B * C), att(B * H * D), act(B * I);
+  std::vector<float> q(B * H * D), parts(tasks * g * (D + 2)), rotated(D);
+  const int64_t cache_strides[4] = {Hkv * d.max_len * D, d.max_len * D, D, 1};
+#pragma omp parallel num_threads(at::get_num_threads())
+  {
+    const int t = omp_get_thread_num(), n = omp_get_num_threads();
+    const auto mine = [&](int64_t total) { return std::pair<int64_t, int64_t>{total * t / n, total * (t + 1) / n}; };
+#pragma omp single
+    for (int64_t b = 0; b < B; ++b) {
+      std::copy(m.wte + tokens[b] * C, m.wte + (tokens[b] + 1) * C, x.data() + b * C);
+      rms_norm(x.data() + b * C, m.norms[0], C, d.eps, h.data() + b * C);
+    }
+    for (int64_t l = 0; l < d.layers; ++l) {
+      const W* const* mats = m.matrices.data() + 4 * l;
+      const float* const* scales = m.scales.data() + 4 * l;
+      A *kc = m.caches[2 * l], *vc = m.caches[2 * l + 1];
+      {
+        const auto [b0, b1] = mine(QKV);
+        products_of(mats[0], h.data(), scales[0], qkv.data(), B, QKV, C, b0, b1);
+      }
+#pragma omp barrier
+#pragma omp single
+      for (int64_t b = 0; b < B; ++b) {  // q and k rotated, k and v into the cache
+        const A* row = qkv.data() + b * QKV;
+        for (int64_t hq = 0; hq < H; ++hq) rotate(row + hq * D, m.cos, m.sin, d.half, D, q.data() + (b * H + hq) * D);
+        for (int64_t kh = 0; kh < Hkv; ++kh) {
+          rotate(row + (H + kh) * D, m.cos, m.sin, d.half, D, rotated.data());
+          A* slot = kc + b * cache_strides[0] + kh * cache_strides[1] + d.past * D;
+          for (int64_t c = 0; c < D; ++c) slot[c] = static_cast<A>(rotated[c]);
+          std::copy(row + (H + Hkv + kh) * D, row + (H + Hkv + kh + 1) * D, vc + (slot - kc));
+        }
+      }
+      {
+        const auto [b0, b1] = mine(tasks);
+        attend_tasks(q.data(), kc, cache_strides, vc, cache_strides, Hkv, S, D, g, 1, d.scale, parts.data(), b0, b1);
+      }
+#pragma omp barrier
+      {
+        const auto [b0, b1] = mine(B * H);
+        merge_runs(parts.data(), runs, g, D, heads.data(), b0, b1);
+        for (int64_t i = b0 * D; i < b1 * D; ++i) att[i] = static_cast<X>(static_cast<float>(heads[i]));
+      }
+#pragma omp barrier
+      {
+        const auto [b0, b1] = mine(C);
+        products_of(mats[1], att.data(), scales[1], y.data(), B, C, H * D, b0, b1);
+      }
+#pragma omp barrier
+#pragma omp single
+      for (int64_t b = 0; b < B; ++b) {  // x + attention, then the MLP's norm
+        for (int64_t c = 0; c < C; ++c) x[b * C + c] = static_cast<A>(static_cast<float>(x[b * C + c]) + static_cast<float>(y[b * C + c]));
+        rms_norm(x.data() + b * C, m.norms[2 * l + 1], C, d.eps, h.data() + b * C);
+      }
+      {
+        const auto [b0, b1] = mine(2 * I);
+        products_of(mats[2], h.data(), scales[2], gate_up.data(), B, 2 * I, C, b0, b1);
+      }
+#pragma omp barrier
+      {
+        const auto [b0, b1] = mine(B * I);
+        for (int64_t i = b0; i < b1; ++i) {  // SiLU(gate) * up, each rounded to A
+          const A* row = gate_up.data() + i / I * 2 * I;
+          const float gate = static_cast<float>(row[i % I]), up = static_cast<float>(row[I + i % I]);
+          act[i] = static_cast<X>(as_stored<A>(as_stored<A>(gate / (1.0f + std::exp(-gate))) * up));
+        }
+      }
+#pragma omp barrier
+      {
+        const auto [b0, b1] = mine(C);
+        products_of(mats[3], act.data(), scales[3], y.data(), B, C, I, b0, b1);
+      }
+#pragma omp barrier
+#pragma omp single
+      for (int64_t b = 0; b < B; ++b) {  // x + MLP, then the next norm (the next layer's first, or the final one)
+        for (int64_t c = 0; c < C; ++c) x[b * C + c] = static_cast<A>(static_cast<float>(x[b * C + c]) + static_cast<float>(y[b * C + c]));
+        rms_norm(x.data() + b * C, m.norms[2 * l + 2], C, d.eps, h.data() + b * C);
+      }
+    }
+    const auto [b0, b1] = mine(d.V);
+    products_of(m.matrices.back(), h.data(), m.scales.back(), logits, B, d.V, C, b0, b1);
+  }
+}
+
+template <typename A, typename W>
+at::Tensor decode_as(const at::Tensor& tokens, int64_t past, const at::Tensor& wte, at::TensorList norms, at::TensorList matrices,
+                     const c10::List<std::optional<at::Tensor>>& scales, at::TensorList caches, const at::Tensor& cos,
+                     const at::Tensor& sin, int64_t n_head, double eps, double scale) {
+  const int64_t layers = static_cast<int64_t>(caches.size()) / 2;
+  Weights<A, W> m{wte.data_ptr<A>(), {}, {}, {}, {}, cos.data_ptr<float>() + past * cos.size(1), sin.data_ptr<float>() + past * sin.size(1)};
+  for (const at::Tensor& w : norms) m.norms.push_back(w.data_ptr<A>());
+  for (int64_t i = 0; i < static_cast<int64_t>(matrices.size()); ++i) {
+    m.matrices.push_back(matrices[i].data_ptr<W>());
+    const std::optional<at::Tensor> s = scales.get(i);
+    m.scales.push_back(s ? s->data_ptr<float>() : nullptr);
+  }
+  for (const at::Tensor& c : caches) m.caches.push_back(c.data_ptr<A>());
+  const at::Tensor& k = caches[0];
+  const Dims d{tokens.size(0), wte.size(1), n_head, k.size(1), k.size(3), cos.size(1), matrices[2].size(0) / 2,
+               matrices.back().size(0), layers, k.size(2), past, static_cast<float>(eps), static_cast<float>(scale)};
+  at::Tensor logits = at::empty({d.B, d.V}, wte.options());
+  const at::Tensor ids = tokens.contiguous();
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<A, c10::BFloat16> && std::is_same_v<W, c10::BFloat16>) {
+    decode<A, W, c10::BFloat16>(m, d, ids.data_ptr<int64_t>(), logits.data_ptr<A>());
+    return logits;
+  }
+#endif
+  decode<A, W, float>(m, d, ids.data_ptr<int64_t>(), logits.data_ptr<A>());
+  return logits;
+}
+
+template <typename A>
+at::Tensor decode_with(const at::Tensor& tokens, int64_t past, const at::Tensor& wte, at::TensorList norms, at::TensorList matrices,
+                       const c10::List<std::optional<at::Tensor>>& scales, at::TensorList caches, const at::Tensor& cos,
+                       const at::Tensor& sin, int64_t n_head, double eps, double scale) {
+  if (matrices[0].scalar_type() == at::kChar) {
+    return decode_as<A, int8_t>(tokens, past, wte, norms, matrices, scales, caches, cos, sin, n_head, eps, scale);
+  }
+  return decode_as<A, A>(tokens, past, wte, norms, matrices, scales, caches, cos, sin, n_head, eps, scale);
+}
+
+at::Tensor step(const at::Tensor& tokens, int64_t past, const at::Tensor& wte, at::TensorList norms, at::TensorList matrices,
+                const c10::List<std::optional<at::Tensor>>& scales, at::TensorList caches, const at::Tensor& cos,
+                const at::Tensor& sin, int64_t n_head, double eps, double scale) {
+  // the caller (decode_kernel.py) has checked the model; these hold it to what this file reads
+  const int64_t layers = static_cast<int64_t>(caches.size()) / 2;
+  TORCH_CHECK(layers > 0 && static_cast<int64_t>(matrices.size()) == 4 * layers + 1 &&
+                  static_cast<int64_t>(norms.size()) == 2 * layers + 1 && static_cast<int64_t>(scales.size()) == 4 * layers + 1,
+              "decode_kernel.step: 2 norms, 4 matrices and k, v per layer, a final norm and the head");
+  TORCH_CHECK(tokens.dim() == 1 && tokens.scalar_type() == at::kLong && cos.scalar_type() == at::kFloat && past < cos.size(0) &&
+                  past < caches[0].size(2), "decode_kernel.step: tokens (B,) int64, float32 angles and a slot for position ", past);
+  for (const at::Tensor& w : matrices) {
+    TORCH_CHECK(w.is_contiguous() && w.scalar_type() == matrices[0].scalar_type(), "decode_kernel.step: matrices of one dtype, in rows");
+  }
+  for (const at::Tensor& c : caches) {
+    TORCH_CHECK(c.is_contiguous() && c.sizes() == caches[0].sizes() && c.scalar_type() == wte.scalar_type(),
+                "decode_kernel.step: contiguous caches alike, in the embedding's dtype");
+  }
+  switch (wte.scalar_type()) {
+    case at::kFloat: return decode_with<float>(tokens, past, wte, norms, matrices, scales, caches, cos, sin, n_head, eps, scale);
+    case at::kBFloat16: return decode_with<c10::BFloat16>(tokens, past, wte, norms, matrices, scales, caches, cos, sin, n_head, eps, scale);
+    case at::kHalf: return decode_with<c10::Half>(tokens, past, wte, norms, matrices, scales, caches, cos, sin, n_head, eps, scale);
+    default: TORCH_CHECK(false, "decode_kernel.step: a model of ", wte.scalar_type(), " (float32, bfloat16 or float16)");
+  }
+}

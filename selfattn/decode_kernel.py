@@ -1,0 +1,144 @@
+"""A decode step of a Llama-shaped model as one C++ call (``decode_kernel.h``, built with
+:mod:`selfattn.stream_kernel`), for :meth:`GPT.compile_decode` on the CPU.
+
+A compiled graph (:mod:`selfattn.decode_step`) still pays per step for what surrounds its
+kernels: torch.compile's guards on every weight and cache (0.6 ms a SmolLM2 step on a 2-core EPYC),
+the Python wrapper that calls each of the 121 products and 30 attentions, a start and an end of
+the threads' work at each of them, and the fused elementwise kernels between. At batch 1 in
+bfloat16 that was a quarter of a 12 ms step whose matrices stream in 9. Here the whole step is one
+call: the threads start once, every product and attention is split among them, and they meet at a
+barrier where an operation needs all of the one before (ten a layer); the norms, the rotation and
+the additions are a few thousand numbers, done by one thread between two barriers.
+
+The model it serves: every block ``x + attn(rmsnorm(x))``, ``x + down(silu(gate) * up)`` with
+RoPE (any rule but longrope, one for every layer), grouped kv heads, no biases, no window, no
+other score rule; RMSNorm without offset; no learned positions, embedding scale or logit cap; every
+matrix stored in rows (:func:`selfattn.decode_layout.decode_layout`'s ``stream`` form, or int8 from
+:func:`selfattn.quantize.quantize_int8`). That is Llama, SmolLM2, Mistral without its window and
+Qwen2 without its biases; :func:`unsupported` says why another model is not, and its steps stay
+graphs. Batches of rows without padding only (a padded batch's step is a graph).
+
+Each value is rounded to the model's dtype where its eager step rounds it (``decode_kernel.h``
+lists them), so a half-precision step rounds as the eager one does, not as a fused graph does.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor, nn
+
+from selfattn import stream_kernel
+from selfattn.kv_cache import KVCache
+from selfattn.norms import RMSNorm
+from selfattn.quantize import Int8Linear
+from selfattn.rope import rope_angles
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def unsupported(model: nn.Module) -> str | None:
+    """Why :class:`KernelStep` cannot run ``model``'s decode steps (None when it can)."""
+    why = stream_kernel.failure()
+    if why is not None:
+        return f"the kernel did not build here ({why})"
+    w = model.wte.weight
+    if w.device.type != "cpu" or w.dtype not in DTYPES:
+        return f"the model is {w.dtype} on {w.device}, the kernel takes float32, bfloat16 or float16 on the CPU"
+    if model.wpe is not None or model.ln_emb is not None or model.config.embedding_scale is not None:
+        return "its embedding has learned positions, a norm or a scale"
+    if model.config.logit_softcap is not None:
+        return "its logits are soft-capped"
+    norms = [n for b in model.blocks for n in (b.ln_1, b.ln_2)] + [model.ln_f]
+    if any(type(n) is not RMSNorm or n.offset or n.weight_in_float32 or n.eps != norms[0].eps for n in norms):
+        return "its norms are not all RMSNorm of one epsilon, without offset"
+    rules = {(b.attn.rope_dims, b.attn.rope_base, repr(b.attn.rope_scaling)) for b in model.blocks}
+    for i, b in enumerate(model.blocks):
+        why = _block(b)
+        if why is not None:
+            return f"layer {i} {why}"
+    if len(rules) > 1:
+        return "its layers rotate by different RoPE rules"
+    matrices = _matrices(model)
+    kinds = {(type(m) is Int8Linear, m.q.dtype if type(m) is Int8Linear else m.weight.dtype) for m in matrices}
+    if len(kinds) > 1:
+        return f"its matrices are not of one dtype ({sorted(str(k[1]) for k in kinds)})"
+    for m in matrices:
+        if type(m) is Int8Linear and (m.kernel != "stream" or m.bias is not None):
+            return "an int8 matrix is multiplied by another kernel or has a bias"
+        if type(m) is not Int8Linear and (not m.weight.is_contiguous() or m.weight.dtype != w.dtype):
+            return (f"a matrix is not stored in rows of {w.dtype} (decode_layout chose another form for this "
+                    f"machine: decode_layout(one_row='stream'))")
+    return None
+
+
+def _block(b: nn.Module) -> str | None:
+    """Why block ``b`` is not Llama's (None when it is)."""
+    a, mlp = b.attn, b.mlp
+    if not (isinstance(b.post_ln_1, nn.Identity) and (mlp is None or isinstance(b.post_ln_2, nn.Identity))):
+        return "norms its sublayers' outputs"
+    if not a.rope or (a.rope_scaling or {}).get("rope_type") == "longrope":
+        return "has no RoPE, or longrope's"
+    if a.window is not None or a.alibi or a.softcap is not None or a.sinks is not None or a.q_norm is not None \
+            or a.mask_mod is not None or a.score_mod is not None:
+        return "has a window, ALiBi, soft-capping, sinks, q/k norms or a mask or score rule"
+    if _bias(a.qkv) is not None or _bias(a.proj) is not None:
+        return "has attention biases"
+    if mlp is None or not hasattr(mlp, "act") or type(mlp.act) is not nn.SiLU:
+        return "has no SwiGLU MLP"
+    if _bias(mlp.gate_up_proj) is not None or _bias(mlp.down_proj) is not None:
+        return "has MLP biases"
+    return None
+
+
+def _bias(m: nn.Module) -> Tensor | None:
+    return getattr(m, "bias", None)
+
+
+def _matrices(model: nn.Module) -> list[nn.Module]:
+    """The matrices in the order of ``decode_kernel.h``: each layer's qkv, proj, gate_up and down, the head."""
+    return [m for b in model.blocks for m in (b.attn.qkv, b.attn.proj, b.mlp.gate_up_proj, b.mlp.down_proj)] + \
+        [model.lm_head]
+
+
+class KernelStep:
+    """``model``'s decode steps by the kernel (the model must be supported: :func:`unsupported`),
+    of the build ``isa`` (None: :func:`selfattn.stream_kernel.chosen`). The weights are read from
+    the model at every call, so a model cast or quantised since decodes as it is now."""
+
+    def __init__(self, model: nn.Module, *, isa: str | None = None):
+        why = unsupported(model)
+        if why is not None:
+            raise ValueError(f"the decode kernel cannot run this model: {why}")
+        self.model, self.angles, self.isa = model, None, isa
+        a = model.blocks[0].attn
+        self.n_head, self.eps = a.n_head, model.ln_f.eps
+        self.scale = a.scale if a.scale is not None else a.head_dim ** -0.5
+
+    def serves(self, mask: Tensor | None, cache: Sequence) -> bool:
+        """Whether a step with this ``mask`` and ``cache`` runs here: no padding, the model's caches."""
+        return mask is None and all(type(c) is KVCache for c in cache)
+
+    def __call__(self, idx: Tensor, cache: Sequence[KVCache], past: int) -> Tensor:
+        """Logits ``(B, V)`` after ``idx`` ``(B, 1)`` at position ``past``, its k and v cached."""
+        m = self.model
+        matrices = _matrices(m)
+        int8 = type(matrices[0]) is Int8Linear
+        norms = [n.weight for b in m.blocks for n in (b.ln_1, b.ln_2)] + [m.ln_f.weight]
+        cos, sin = self._angles()
+        logits = stream_kernel.load(self.isa or stream_kernel.chosen()).step(
+            idx[:, 0], past, m.wte.weight, norms, [x.q if int8 else x.weight for x in matrices],
+            [x.scale if int8 else None for x in matrices], [t for c in cache for t in (c.k, c.v)], cos, sin,
+            self.n_head, self.eps, self.scale)
+        for c in cache:
+            c.length = past + 1
+        return logits
+
+    def _angles(self) -> tuple[Tensor, Tensor]:
+        """RoPE's cos and sin of every position the model reads, ``(block_size, R / 2)`` float32, once."""
+        if self.angles is None:
+            a = self.model.blocks[0].attn
+            positions = torch.arange(self.model.config.block_size)
+            cos, sin = rope_angles(positions, a.rope_dims, a.rope_base, scaling=a.rope_scaling)  # (1, 1, P, R/2)
+            self.angles = cos[0, 0].float().contiguous(), sin[0, 0].float().contiguous()
+        return self.angles

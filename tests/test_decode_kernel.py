@@ -1,0 +1,120 @@
+"""The decode kernel: a Llama-shaped model's step as one C++ call gives the model's own logits and
+caches, in every build this CPU runs, and serves compile_decode where it can."""
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from selfattn import stream_kernel
+from selfattn.decode_kernel import KernelStep, unsupported
+from selfattn.model import GPT
+from selfattn.quantize import quantize_int8
+from tests.helpers.models import assert_same_logits, left_pad, scrambled, small
+
+LLAMA = {"pos": "rope", "norm": "rmsnorm", "mlp_kind": "swiglu", "intermediate_size": 48, "head_dim": 16,
+         "n_kv_head": 2, "tie_embeddings": False, "block_size": 300}
+VARIANTS = {
+    "gqa": LLAMA,
+    "tied-mqa": LLAMA | {"n_kv_head": 1, "tie_embeddings": True},
+    "partial-rotary-llama3": LLAMA | {"rope_dims": 8, "rope_base": 500000.0, "rope_scaling": {
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 32}},
+}
+BUILDS = [isa for isa in stream_kernel.instruction_sets() if stream_kernel.failure(isa) is None]
+
+
+def llama(seed: int = 0, **config) -> GPT:
+    torch.manual_seed(seed)
+    return scrambled(small(**(LLAMA | config))).decode_layout(one_row="stream", few_rows="stream")
+
+
+def steps(model: GPT, step, idx, prompt: int, n: int):
+    """(logits (B, n, V), caches) of ``step`` fed ``idx`` ``(B, prompt + n)`` one token at a time after the prompt."""
+    cache = model.new_cache(idx.shape[0], prompt + n)
+    with torch.inference_mode():
+        model._hidden(idx[:, :prompt], None, cache, 0)
+        logits = torch.stack([step(idx[:, p:p + 1], cache, p) for p in range(prompt, prompt + n)], 1)
+    return logits, cache
+
+
+def eager_step(model: GPT):
+    return lambda idx, cache, past: model._next_logits(idx, None, cache, past)
+
+
+@pytest.mark.parametrize("isa", BUILDS)
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_kernel_steps_give_the_models_logits_and_caches(isa, variant):
+    model = llama(1, **VARIANTS[variant])
+    idx = torch.randint(61, (2, 150), generator=torch.Generator().manual_seed(1))  # past 128 keys: two runs
+    ours, our_cache = steps(model, KernelStep(model, isa=isa), idx, 140, 10)
+    theirs, their_cache = steps(model, eager_step(model), idx, 140, 10)
+    assert_same_logits(ours, theirs)
+    for a, b in zip(our_cache, their_cache):
+        assert a.length == b.length == 150
+        assert_same_logits(a.k, b.k), assert_same_logits(a.v, b.v)  # up to the order of the products' sums
+
+
+@pytest.mark.parametrize("isa", BUILDS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_steps_round_no_worse_than_eager(isa, dtype):
+    """Each rounding held against the float32 model: the kernel's error at most twice eager's plus 2%
+    of the logits' range (the rule of the low-precision tests)."""
+    reference = llama(2)
+    model = llama(2).to(dtype).decode_layout(one_row="stream", few_rows="stream")
+    idx = torch.randint(61, (1, 40), generator=torch.Generator().manual_seed(2))
+    exact, _ = steps(reference, eager_step(reference), idx, 30, 10)
+    ours, _ = steps(model, KernelStep(model, isa=isa), idx, 30, 10)
+    eager, _ = steps(model, eager_step(model), idx, 30, 10)
+    err = {name: (x.float() - exact).abs().max().item() for name, x in (("kernel", ours), ("eager", eager))}
+    assert ours.dtype == dtype and err["kernel"] <= 2 * err["eager"] + 0.02 * exact.abs().max().item(), err
+
+
+def test_int8_weights_step_as_the_quantised_model():
+    model = quantize_int8(llama(3))
+    idx = torch.randint(61, (3, 20), generator=torch.Generator().manual_seed(3))
+    assert_same_logits(steps(model, KernelStep(model), idx, 12, 8)[0], steps(model, eager_step(model), idx, 12, 8)[0])
+
+
+def test_compile_decode_generates_through_the_kernel_without_a_graph():
+    eager, compiled = llama(4), llama(4).compile_decode()
+    assert compiled._compiled.kernel is not None
+    idx = torch.randint(61, (2, 9), generator=torch.Generator().manual_seed(4))
+    before = counters["stats"]["unique_graphs"]
+    for sample in ({"temperature": 0.0}, {"temperature": 0.9, "top_k": 20}):
+        runs = [torch.stack(list(m.generate(idx, 30, generator=torch.Generator().manual_seed(5), **sample)), 1)
+                for m in (eager, compiled)]
+        assert torch.equal(runs[1], runs[0])
+    assert counters["stats"]["unique_graphs"] == before
+
+
+def test_padded_rows_step_through_the_graph_as_eager():
+    eager, compiled = llama(5), llama(5).compile_decode()
+    idx, mask = left_pad([torch.randint(61, (n,), generator=torch.Generator().manual_seed(n)) for n in (3, 8)])
+    assert not compiled._compiled.kernel.serves(torch.ones(2, 9, dtype=torch.bool), [])
+    runs = [torch.stack(list(m.generate(idx, 10, temperature=0.0, attention_mask=mask))) for m in (eager, compiled)]
+    assert torch.equal(runs[1], runs[0])
+
+
+@pytest.mark.parametrize(("change", "why"), [
+    (lambda m: GPT(small(bias=True)).eval(), "its embedding has learned positions"),  # GPT-2
+    (lambda m: llama(norm="layernorm"), "its norms are not all RMSNorm"),
+    (lambda m: llama(qkv_bias=True), "layer 0 has attention biases"),
+    (lambda m: llama(window=8), "layer 0 has a window"),
+    (lambda m: llama(mlp_kind="geglu"), "layer 0 has no SwiGLU MLP"),
+    (lambda m: llama(pos="none", alibi=True), "layer 0 has no RoPE"),
+    (lambda m: m.double(), "the model is torch.float64"),
+    (lambda m: m.decode_layout(one_row="mv"), "a matrix is not stored in rows"),
+])
+def test_models_it_cannot_run_are_named_with_the_reason(change, why):
+    model = change(llama())
+    assert why in unsupported(model)
+    with pytest.raises(ValueError, match=f"^the decode kernel cannot run this model: .*{why}"):
+        KernelStep(model)
+    if model.blocks[0].attn.window is None:
+        assert model.compile_decode()._compiled.kernel is None  # its steps stay graphs
+
+
+def test_without_the_kernels_build_compile_decode_keeps_graphs(monkeypatch):
+    model = llama()
+    monkeypatch.setattr(stream_kernel, "failure", lambda isa=None: "no C++ compiler found")
+    assert unsupported(model) == "the kernel did not build here (no C++ compiler found)"
+    assert model.compile_decode()._compiled.kernel is None
