@@ -4,13 +4,14 @@
 // why). Included by stream_kernel.cpp inside its namespace: the products are its products_of, the
 // attention its attend_tasks and merge_runs.
 //
-//   step(tokens (B,), past, wte (V, C), norms, matrices, scales, caches, cos, sin, n_head, eps, scale)
-//     -> logits (B, V) in wte's dtype A
+//   step(tokens (B, T), past, wte (V, C), norms, matrices, scales, caches, cos, sin, n_head, eps, scale)
+//     -> logits (B * T, V) in wte's dtype A: each row's T tokens at positions past .. past + T - 1 (one in a
+//        decode step, a few in a speculative verification), causal among themselves
 //
 // norms: each layer's two RMSNorm weights (C,), then the final one; matrices: each layer's qkv
 // ((H + 2 Hkv) D, C), proj (C, H D), gate_up (2 I, C) and down (C, I), then the head (V, C), all of
 // one dtype W (A, or int8 with a float32 scale (out,) each in scales); caches: each layer's k and v
-// (B, Hkv, max_len, D) in A, the token written at slot past; cos and sin (positions, R / 2) float32,
+// (B, Hkv, max_len, D) in A, the tokens written at slots past ..; cos and sin (positions, R / 2) float32,
 // the rotary angles of the first R channels of each head (their attention factor in them).
 //
 // Every value is rounded to A where the model's own step rounds it (a tensor of A holds it): the
@@ -46,7 +47,7 @@ void rotate(const A* x, const float* cos, const float* sin, int64_t half, int64_
 }
 
 struct Dims {
-  int64_t B, C, H, Hkv, D, half, I, V, layers, max_len, past;
+  int64_t B, T, C, H, Hkv, D, half, I, V, layers, max_len, past;
   float eps, scale;
 };
 
@@ -57,17 +58,17 @@ struct Weights {
   std::vector<const W*> matrices;      // 4 per layer (qkv, proj, gate_up, down), then the head
   std::vector<const float*> scales;    // one per matrix, nullptr but for int8
   std::vector<A*> caches;              // k, v per layer
-  const float *cos, *sin;              // the angles of the step's position, half each
+  const float *cos, *sin;              // the angles of every position, half each
 };
 
 // X: the products' rows, float32 (holding values of A) or bfloat16 where the CPU pairs them with a bfloat16 matrix
 template <typename A, typename W, typename X>
 void decode(const Weights<A, W>& m, const Dims& d, const int64_t* tokens, A* logits) {
-  const int64_t B = d.B, C = d.C, H = d.H, Hkv = d.Hkv, D = d.D, I = d.I, g = H / Hkv;
-  const int64_t QKV = (H + 2 * Hkv) * D, S = d.past + 1, runs = (S + KEYS - 1) / KEYS, tasks = B * Hkv * runs;
+  const int64_t T = d.T, B = d.B * T, C = d.C, H = d.H, Hkv = d.Hkv, D = d.D, I = d.I, g = H / Hkv;  // B: every token a row
+  const int64_t QKV = (H + 2 * Hkv) * D, S = d.past + T, runs = (S + KEYS - 1) / KEYS, tasks = d.B * Hkv * runs;
   std::vector<A> x(B * C), qkv(B * QKV), y(B * C), gate_up(B * 2 * I), heads(B * H * D);
   std::vector<X> h(B * C), att(B * H * D), act(B * I);
-  std::vector<float> q(B * H * D), parts(tasks * g * (D + 2)), rotated(D);
+  std::vector<float> q(B * H * D), parts(tasks * g * T * (D + 2)), rotated(D);
   const int64_t cache_strides[4] = {Hkv * d.max_len * D, d.max_len * D, D, 1};
 #pragma omp parallel num_threads(at::get_num_threads())
   {
@@ -88,25 +89,30 @@ void decode(const Weights<A, W>& m, const Dims& d, const int64_t* tokens, A* log
       }
 #pragma omp barrier
 #pragma omp single
-      for (int64_t b = 0; b < B; ++b) {  // q and k rotated, k and v into the cache
-        const A* row = qkv.data() + b * QKV;
-        for (int64_t hq = 0; hq < H; ++hq) rotate(row + hq * D, m.cos, m.sin, d.half, D, q.data() + (b * H + hq) * D);
+      for (int64_t i = 0; i < B; ++i) {  // q and k rotated, k and v into the cache; q as (B, H, T, D)
+        const int64_t b = i / T, t = i % T;
+        const float *cos = m.cos + (d.past + t) * d.half, *sin = m.sin + (d.past + t) * d.half;
+        const A* row = qkv.data() + i * QKV;
+        for (int64_t hq = 0; hq < H; ++hq) rotate(row + hq * D, cos, sin, d.half, D, q.data() + ((b * H + hq) * T + t) * D);
         for (int64_t kh = 0; kh < Hkv; ++kh) {
-          rotate(row + (H + kh) * D, m.cos, m.sin, d.half, D, rotated.data());
-          A* slot = kc + b * cache_strides[0] + kh * cache_strides[1] + d.past * D;
+          rotate(row + (H + kh) * D, cos, sin, d.half, D, rotated.data());
+          A* slot = kc + b * cache_strides[0] + kh * cache_strides[1] + (d.past + t) * D;
           for (int64_t c = 0; c < D; ++c) slot[c] = static_cast<A>(rotated[c]);
           std::copy(row + (H + Hkv + kh) * D, row + (H + Hkv + kh + 1) * D, vc + (slot - kc));
         }
       }
       {
         const auto [b0, b1] = mine(tasks);
-        attend_tasks(q.data(), kc, cache_strides, vc, cache_strides, Hkv, S, D, g, 1, d.scale, parts.data(), b0, b1);
+        attend_tasks(q.data(), kc, cache_strides, vc, cache_strides, Hkv, S, D, g * T, T, d.scale, parts.data(), b0, b1);
       }
 #pragma omp barrier
       {
-        const auto [b0, b1] = mine(B * H);
-        merge_runs(parts.data(), runs, g, D, heads.data(), b0, b1);
-        for (int64_t i = b0 * D; i < b1 * D; ++i) att[i] = static_cast<X>(static_cast<float>(heads[i]));
+        const auto [b0, b1] = mine(B * H);  // query rows of (B, H, T), into att as (B, T, H)
+        merge_runs(parts.data(), runs, g * T, D, heads.data(), b0, b1);
+        for (int64_t r = b0; r < b1; ++r) {
+          const int64_t b = r / (H * T), hq = r / T % H, t = r % T;
+          for (int64_t c = 0; c < D; ++c) att[((b * T + t) * H + hq) * D + c] = static_cast<X>(static_cast<float>(heads[r * D + c]));
+        }
       }
 #pragma omp barrier
       {
@@ -154,7 +160,7 @@ at::Tensor decode_as(const at::Tensor& tokens, int64_t past, const at::Tensor& w
                      const c10::List<std::optional<at::Tensor>>& scales, at::TensorList caches, const at::Tensor& cos,
                      const at::Tensor& sin, int64_t n_head, double eps, double scale) {
   const int64_t layers = static_cast<int64_t>(caches.size()) / 2;
-  Weights<A, W> m{wte.data_ptr<A>(), {}, {}, {}, {}, cos.data_ptr<float>() + past * cos.size(1), sin.data_ptr<float>() + past * sin.size(1)};
+  Weights<A, W> m{wte.data_ptr<A>(), {}, {}, {}, {}, cos.data_ptr<float>(), sin.data_ptr<float>()};
   for (const at::Tensor& w : norms) m.norms.push_back(w.data_ptr<A>());
   for (int64_t i = 0; i < static_cast<int64_t>(matrices.size()); ++i) {
     m.matrices.push_back(matrices[i].data_ptr<W>());
@@ -163,9 +169,9 @@ at::Tensor decode_as(const at::Tensor& tokens, int64_t past, const at::Tensor& w
   }
   for (const at::Tensor& c : caches) m.caches.push_back(c.data_ptr<A>());
   const at::Tensor& k = caches[0];
-  const Dims d{tokens.size(0), wte.size(1), n_head, k.size(1), k.size(3), cos.size(1), matrices[2].size(0) / 2,
+  const Dims d{tokens.size(0), tokens.size(1), wte.size(1), n_head, k.size(1), k.size(3), cos.size(1), matrices[2].size(0) / 2,
                matrices.back().size(0), layers, k.size(2), past, static_cast<float>(eps), static_cast<float>(scale)};
-  at::Tensor logits = at::empty({d.B, d.V}, wte.options());
+  at::Tensor logits = at::empty({d.B * d.T, d.V}, wte.options());
   const at::Tensor ids = tokens.contiguous();
 #if defined(__AVX512BF16__)
   if constexpr (std::is_same_v<A, c10::BFloat16> && std::is_same_v<W, c10::BFloat16>) {
@@ -195,8 +201,9 @@ at::Tensor step(const at::Tensor& tokens, int64_t past, const at::Tensor& wte, a
   TORCH_CHECK(layers > 0 && static_cast<int64_t>(matrices.size()) == 4 * layers + 1 &&
                   static_cast<int64_t>(norms.size()) == 2 * layers + 1 && static_cast<int64_t>(scales.size()) == 4 * layers + 1,
               "decode_kernel.step: 2 norms, 4 matrices and k, v per layer, a final norm and the head");
-  TORCH_CHECK(tokens.dim() == 1 && tokens.scalar_type() == at::kLong && cos.scalar_type() == at::kFloat && past < cos.size(0) &&
-                  past < caches[0].size(2), "decode_kernel.step: tokens (B,) int64, float32 angles and a slot for position ", past);
+  TORCH_CHECK(tokens.dim() == 2 && tokens.scalar_type() == at::kLong && cos.scalar_type() == at::kFloat &&
+                  past + tokens.size(1) <= cos.size(0) && past + tokens.size(1) <= caches[0].size(2),
+              "decode_kernel.step: tokens (B, T) int64, float32 angles and slots for positions ", past, " + T");
   for (const at::Tensor& w : matrices) {
     TORCH_CHECK(w.is_contiguous() && w.scalar_type() == matrices[0].scalar_type(), "decode_kernel.step: matrices of one dtype, in rows");
   }

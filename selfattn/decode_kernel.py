@@ -16,7 +16,9 @@ other score rule; RMSNorm without offset; no learned positions, embedding scale 
 matrix stored in rows (:func:`selfattn.decode_layout.decode_layout`'s ``stream`` form, or int8 from
 :func:`selfattn.quantize.quantize_int8`). That is Llama, SmolLM2, Mistral without its window and
 Qwen2 without its biases; :func:`unsupported` says why another model is not, and its steps stay
-graphs. Batches of rows without padding only (a padded batch's step is a graph).
+graphs. Batches of rows without padding only (a padded batch's step is a graph). A call takes one
+token a row (a decode step) or several (a speculative verification by prompt lookup or a draft
+model: causal among themselves, after the cached ones).
 
 Each value is rounded to the model's dtype where its eager step rounds it (``decode_kernel.h``
 lists them), so a half-precision step rounds as the eager one does, not as a fused graph does.
@@ -120,19 +122,21 @@ class KernelStep:
         return mask is None and all(type(c) is KVCache for c in cache)
 
     def __call__(self, idx: Tensor, cache: Sequence[KVCache], past: int) -> Tensor:
-        """Logits ``(B, V)`` after ``idx`` ``(B, 1)`` at position ``past``, its k and v cached."""
+        """Logits ``(B, T, V)`` of the tokens ``idx`` ``(B, T)`` at positions ``past ..``, causal among
+        themselves (a decode step: T = 1; a speculative verification: a few), their k and v cached."""
         m = self.model
         matrices = _matrices(m)
         int8 = type(matrices[0]) is Int8Linear
         norms = [n.weight for b in m.blocks for n in (b.ln_1, b.ln_2)] + [m.ln_f.weight]
         cos, sin = self._angles()
+        B, T = idx.shape
         logits = stream_kernel.load(self.isa or stream_kernel.chosen()).step(
-            idx[:, 0], past, m.wte.weight, norms, [x.q if int8 else x.weight for x in matrices],
+            idx, past, m.wte.weight, norms, [x.q if int8 else x.weight for x in matrices],
             [x.scale if int8 else None for x in matrices], [t for c in cache for t in (c.k, c.v)], cos, sin,
             self.n_head, self.eps, self.scale)
         for c in cache:
-            c.length = past + 1
-        return logits
+            c.length = past + T
+        return logits.view(B, T, -1)  # (B·T, V) -> (B, T, V)
 
     def _angles(self) -> tuple[Tensor, Tensor]:
         """RoPE's cos and sin of every position the model reads, ``(block_size, R / 2)`` float32, once."""

@@ -126,10 +126,17 @@ class CompiledDecode:
         """Logits ``(B, V)`` after ``idx`` ``(B, 1)`` (``GPT._next_logits``), compiled: by the decode
         kernel where it serves the model and the step (:mod:`selfattn.decode_kernel`), else a graph."""
         if self.kernel is not None and self.kernel.serves(mask, cache):
-            return self.kernel(idx, cache, past)
+            return self.kernel(idx, cache, past)[:, -1]
         self._decide()
         with _compiling():
             return self._step(self.model, idx, mask, cache, past)
+
+    def logits(self, idx: Tensor, mask: Tensor | None, cache: Sequence[KVCache], past: int) -> Tensor:
+        """Logits ``(B, T, V)`` of every token of ``idx`` ``(B, T)`` through the whole model (a speculative
+        verification): by the decode kernel where it serves, else :meth:`hidden`'s graph and the head."""
+        if self.kernel is not None and self.kernel.serves(mask, cache):
+            return self.kernel(idx, cache, past)
+        return self.model._logits(self.hidden(idx, mask, cache, past))
 
     def hidden(self, idx: Tensor | None, mask: Tensor | None, cache: Sequence[KVCache], past: int, *,
                start: int = 0, stop: int | None = None, x: Tensor | None = None) -> Tensor:

@@ -191,6 +191,14 @@ def _hidden(model: nn.Module):
     return model._hidden if model._compiled is None else model._compiled.hidden
 
 
+def _all_logits(model: nn.Module):
+    """``(idx, mask, cache, past) -> logits (B, T, V)`` of every token fed through the whole model:
+    compiled (the decode kernel or a graph) when :meth:`~selfattn.model.GPT.compile_decode` was called."""
+    if model._compiled is not None:
+        return model._compiled.logits
+    return lambda idx, mask, cache, past: model._logits(model._hidden(idx, mask, cache, past))
+
+
 def _mask(mask: Tensor | None, S: int) -> Tensor | None:
     return None if mask is None else mask[:, :S]
 
@@ -221,17 +229,13 @@ class _Drafter:
     forwards_per_draft = True
 
     def __init__(self, model: nn.Module):
-        self.model, self.hidden = model, _hidden(model)
+        self.model, self.hidden, self.logits = model, _hidden(model), _all_logits(model)
         self.step = model._next_logits if model._compiled is None else model._compiled.step
 
     def verify(self, rnd: _Round, cache, mask) -> Tensor:
         if rnd.m == 1:
             return self.step(rnd.tokens, _mask(mask, rnd.L + 1), cache, rnd.L)[:, None]  # (B, 1, V)
-        return self.model._logits(self.forward(rnd, cache, mask))
-
-    def forward(self, rnd: _Round, cache, mask) -> Tensor:
-        """The final hidden states ``(B, m, C)`` of a round of several tokens."""
-        return self.hidden(rnd.tokens, _mask(mask, rnd.L + rnd.m), cache, rnd.L)
+        return self.logits(rnd.tokens, _mask(mask, rnd.L + rnd.m), cache, rnd.L)  # (B, m, V)
 
     def truncate(self, length: int) -> None:
         pass
@@ -332,8 +336,11 @@ class _EarlyExit(_Drafter):
         q = torch.stack(qs, dim=1) if qs and qs[0] is not None else None  # (B, m - 1, V)
         return _Round(L, tokens, forced, ~forced, q)
 
-    def forward(self, rnd: _Round, cache, mask) -> Tensor:
-        return self.hidden(None, _mask(mask, rnd.L + rnd.m), cache, rnd.L, start=self.layers, x=self.h)
+    def verify(self, rnd: _Round, cache, mask) -> Tensor:
+        if rnd.m == 1:
+            return super().verify(rnd, cache, mask)
+        h = self.hidden(None, _mask(mask, rnd.L + rnd.m), cache, rnd.L, start=self.layers, x=self.h)  # (B, m, C)
+        return self.model._logits(h)
 
 
 def _verdicts(p_draft: Tensor, q_draft: Tensor, sample: dict) -> Tensor:

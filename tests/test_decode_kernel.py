@@ -8,6 +8,7 @@ from selfattn import stream_kernel
 from selfattn.decode_kernel import KernelStep, unsupported
 from selfattn.model import GPT
 from selfattn.quantize import quantize_int8
+from selfattn.speculative import Speculative
 from tests.helpers.models import assert_same_logits, left_pad, scrambled, small
 
 LLAMA = {"pos": "rope", "norm": "rmsnorm", "mlp_kind": "swiglu", "intermediate_size": 48, "head_dim": 16,
@@ -32,12 +33,12 @@ def steps(model: GPT, step, idx, prompt: int, n: int):
     cache = model.new_cache(idx.shape[0], prompt + n)
     with torch.inference_mode():
         model._hidden(idx[:, :prompt], None, cache, 0)
-        logits = torch.stack([step(idx[:, p:p + 1], cache, p) for p in range(prompt, prompt + n)], 1)
+        logits = torch.cat([step(idx[:, p:p + 1], cache, p) for p in range(prompt, prompt + n)], 1)
     return logits, cache
 
 
 def eager_step(model: GPT):
-    return lambda idx, cache, past: model._next_logits(idx, None, cache, past)
+    return lambda idx, cache, past: model._next_logits(idx, None, cache, past)[:, None]
 
 
 @pytest.mark.parametrize("isa", BUILDS)
@@ -118,3 +119,31 @@ def test_without_the_kernels_build_compile_decode_keeps_graphs(monkeypatch):
     monkeypatch.setattr(stream_kernel, "failure", lambda isa=None: "no C++ compiler found")
     assert unsupported(model) == "the kernel did not build here (no C++ compiler found)"
     assert model.compile_decode()._compiled.kernel is None
+
+
+@pytest.mark.parametrize("isa", BUILDS)
+def test_several_tokens_at_once_give_the_models_logits(isa):
+    """A speculative verification: T tokens a row, causal among themselves, after the cached ones."""
+    model = llama(6)
+    idx = torch.randint(61, (2, 135), generator=torch.Generator().manual_seed(6))
+    with torch.inference_mode():
+        caches = model.new_cache(2, 140), model.new_cache(2, 140)
+        for cache in caches:
+            model._hidden(idx[:, :125], None, cache, 0)  # the 5 fed tokens straddle the keys' first run of 128
+        ours = KernelStep(model, isa=isa)(idx[:, 125:130], caches[0], 125)  # (B, 5, V)
+        theirs = model._logits(model._hidden(idx[:, 125:130], None, caches[1], 125))
+    assert ours.shape == (2, 5, 61) and caches[0][1].length == 130
+    assert_same_logits(ours, theirs)
+
+
+def test_speculative_verifications_run_on_the_kernel_with_the_eager_tokens():
+    eager, compiled = llama(7), llama(7).compile_decode()
+    prompt = torch.randint(61, (1, 6), generator=torch.Generator().manual_seed(7)).repeat(1, 4)  # text to look up
+    before = counters["stats"]["unique_graphs"]
+    for sample in ({"temperature": 0.0}, {"temperature": 0.9, "top_k": 20}):
+        specs = [Speculative("lookup", k=2, max_k=6, ngram=1) for _ in range(2)]
+        runs = [torch.stack(list(m.generate(prompt, 20, speculative=spec, generator=torch.Generator().manual_seed(8),
+                                            **sample)), 1) for m, spec in zip((eager, compiled), specs)]
+        assert torch.equal(runs[1], runs[0])
+        assert specs[1].stats == specs[0].stats and specs[0].stats.drafted > 0
+    assert counters["stats"]["unique_graphs"] == before  # every forward was the kernel's
