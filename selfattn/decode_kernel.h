@@ -19,14 +19,13 @@
 // attention's output, SiLU and its product with up. So a float32 step sums as the model's does up to
 // the order of a few sums (the norms' mean of squares), and a half-precision one rounds as its eager
 // step does, not as a fused graph does.
-#include <omp.h>
 
 template <typename A>
 inline float as_stored(float x) {  // x rounded to A, as a tensor of A holds it
   return static_cast<float>(static_cast<A>(x));
 }
 
-// ((offset 0) weight * x / sqrt(mean(x^2) + eps)) of one row of C, each factor rounded to A as RMSNorm does
+// weight * x / sqrt(mean(x^2) + eps) of one row of C, each factor rounded to A as RMSNorm rounds it
 template <typename A, typename X>
 void rms_norm(const A* x, const A* w, int64_t C, float eps, X* out) {
   float squares = 0.0f;
@@ -64,94 +63,86 @@ struct Weights {
 // X: the products' rows, float32 (holding values of A) or bfloat16 where the CPU pairs them with a bfloat16 matrix
 template <typename A, typename W, typename X>
 void decode(const Weights<A, W>& m, const Dims& d, const int64_t* tokens, A* logits) {
-  const int64_t T = d.T, B = d.B * T, C = d.C, H = d.H, Hkv = d.Hkv, D = d.D, I = d.I, g = H / Hkv;  // B: every token a row
+  const int64_t T = d.T, N = d.B * T, C = d.C, H = d.H, Hkv = d.Hkv, D = d.D, I = d.I, g = H / Hkv;  // N rows: every token
   const int64_t QKV = (H + 2 * Hkv) * D, S = d.past + T, runs = (S + KEYS - 1) / KEYS, tasks = d.B * Hkv * runs;
-  std::vector<A> x(B * C), qkv(B * QKV), y(B * C), gate_up(B * 2 * I), heads(B * H * D);
-  std::vector<X> h(B * C), att(B * H * D), act(B * I);
-  std::vector<float> q(B * H * D), parts(tasks * g * T * (D + 2)), rotated(D);
+  std::vector<A> x(N * C), qkv(N * QKV), y(N * C), gate_up(N * 2 * I), heads(N * H * D);  // heads (B, H, T, D)
+  std::vector<X> h(N * C), att(N * H * D), act(N * I);
+  std::vector<float> q(N * H * D), parts(tasks * g * T * (D + 2)), rotated(D);  // q (B, H, T, D)
   const int64_t cache_strides[4] = {Hkv * d.max_len * D, d.max_len * D, D, 1};
 #pragma omp parallel num_threads(at::get_num_threads())
   {
-    const int t = omp_get_thread_num(), n = omp_get_num_threads();
-    const auto mine = [&](int64_t total) { return std::pair<int64_t, int64_t>{total * t / n, total * (t + 1) / n}; };
+    const int thread = omp_get_thread_num(), threads = omp_get_num_threads();
+    const auto mine = [&](int64_t total) {  // this thread's part [begin, end) of total
+      return std::pair<int64_t, int64_t>{total * thread / threads, total * (thread + 1) / threads};
+    };
+    const auto product = [&](const W* w, const float* scale, const X* in, int64_t width, A* out, int64_t out_width) {
+      const auto [begin, end] = mine(out_width);  // this thread's matrix rows, for every row of in
+      products_of(w, in, scale, out, N, out_width, width, begin, end);
+    };
+    const auto add_and_norm = [&](const A* norm) {  // x += y, h = norm(x): one thread, then a barrier
 #pragma omp single
-    for (int64_t b = 0; b < B; ++b) {
-      std::copy(m.wte + tokens[b] * C, m.wte + (tokens[b] + 1) * C, x.data() + b * C);
-      rms_norm(x.data() + b * C, m.norms[0], C, d.eps, h.data() + b * C);
+      for (int64_t i = 0; i < N; ++i) {
+        for (int64_t c = i * C; c < (i + 1) * C; ++c) x[c] = static_cast<A>(static_cast<float>(x[c]) + static_cast<float>(y[c]));
+        rms_norm(x.data() + i * C, norm, C, d.eps, h.data() + i * C);
+      }
+    };
+#pragma omp single
+    for (int64_t i = 0; i < N; ++i) {
+      std::copy(m.wte + tokens[i] * C, m.wte + (tokens[i] + 1) * C, x.data() + i * C);
+      rms_norm(x.data() + i * C, m.norms[0], C, d.eps, h.data() + i * C);
     }
     for (int64_t l = 0; l < d.layers; ++l) {
-      const W* const* mats = m.matrices.data() + 4 * l;
-      const float* const* scales = m.scales.data() + 4 * l;
+      const W* const* w = m.matrices.data() + 4 * l;
+      const float* const* scale = m.scales.data() + 4 * l;
       A *kc = m.caches[2 * l], *vc = m.caches[2 * l + 1];
-      {
-        const auto [b0, b1] = mine(QKV);
-        products_of(mats[0], h.data(), scales[0], qkv.data(), B, QKV, C, b0, b1);
-      }
+      product(w[0], scale[0], h.data(), C, qkv.data(), QKV);
 #pragma omp barrier
 #pragma omp single
-      for (int64_t i = 0; i < B; ++i) {  // q and k rotated, k and v into the cache; q as (B, H, T, D)
-        const int64_t b = i / T, t = i % T;
-        const float *cos = m.cos + (d.past + t) * d.half, *sin = m.sin + (d.past + t) * d.half;
+      for (int64_t i = 0; i < N; ++i) {  // q and k rotated, k and v into the cache
+        const int64_t b = i / T, p = d.past + i % T;  // p: the token's position
+        const float *cos = m.cos + p * d.half, *sin = m.sin + p * d.half;
         const A* row = qkv.data() + i * QKV;
-        for (int64_t hq = 0; hq < H; ++hq) rotate(row + hq * D, cos, sin, d.half, D, q.data() + ((b * H + hq) * T + t) * D);
+        for (int64_t hq = 0; hq < H; ++hq) rotate(row + hq * D, cos, sin, d.half, D, q.data() + ((b * H + hq) * T + i % T) * D);
         for (int64_t kh = 0; kh < Hkv; ++kh) {
+          const int64_t slot = b * cache_strides[0] + kh * cache_strides[1] + p * D;
           rotate(row + (H + kh) * D, cos, sin, d.half, D, rotated.data());
-          A* slot = kc + b * cache_strides[0] + kh * cache_strides[1] + (d.past + t) * D;
-          for (int64_t c = 0; c < D; ++c) slot[c] = static_cast<A>(rotated[c]);
-          std::copy(row + (H + Hkv + kh) * D, row + (H + Hkv + kh + 1) * D, vc + (slot - kc));
+          for (int64_t c = 0; c < D; ++c) kc[slot + c] = static_cast<A>(rotated[c]);
+          std::copy(row + (H + Hkv + kh) * D, row + (H + Hkv + kh + 1) * D, vc + slot);
         }
       }
       {
-        const auto [b0, b1] = mine(tasks);
-        attend_tasks(q.data(), kc, cache_strides, vc, cache_strides, Hkv, S, D, g * T, T, d.scale, parts.data(), b0, b1);
+        const auto [begin, end] = mine(tasks);
+        attend_tasks(q.data(), kc, cache_strides, vc, cache_strides, Hkv, S, D, g * T, T, d.scale, parts.data(), begin, end);
       }
 #pragma omp barrier
       {
-        const auto [b0, b1] = mine(B * H);  // query rows of (B, H, T), into att as (B, T, H)
-        merge_runs(parts.data(), runs, g * T, D, heads.data(), b0, b1);
-        for (int64_t r = b0; r < b1; ++r) {
+        const auto [begin, end] = mine(N * H);  // query rows of (B, H, T), into att as (B, T, H)
+        merge_runs(parts.data(), runs, g * T, D, heads.data(), begin, end);
+        for (int64_t r = begin; r < end; ++r) {
           const int64_t b = r / (H * T), hq = r / T % H, t = r % T;
           for (int64_t c = 0; c < D; ++c) att[((b * T + t) * H + hq) * D + c] = static_cast<X>(static_cast<float>(heads[r * D + c]));
         }
       }
 #pragma omp barrier
-      {
-        const auto [b0, b1] = mine(C);
-        products_of(mats[1], att.data(), scales[1], y.data(), B, C, H * D, b0, b1);
-      }
+      product(w[1], scale[1], att.data(), H * D, y.data(), C);
 #pragma omp barrier
-#pragma omp single
-      for (int64_t b = 0; b < B; ++b) {  // x + attention, then the MLP's norm
-        for (int64_t c = 0; c < C; ++c) x[b * C + c] = static_cast<A>(static_cast<float>(x[b * C + c]) + static_cast<float>(y[b * C + c]));
-        rms_norm(x.data() + b * C, m.norms[2 * l + 1], C, d.eps, h.data() + b * C);
-      }
-      {
-        const auto [b0, b1] = mine(2 * I);
-        products_of(mats[2], h.data(), scales[2], gate_up.data(), B, 2 * I, C, b0, b1);
-      }
+      add_and_norm(m.norms[2 * l + 1]);
+      product(w[2], scale[2], h.data(), C, gate_up.data(), 2 * I);
 #pragma omp barrier
       {
-        const auto [b0, b1] = mine(B * I);
-        for (int64_t i = b0; i < b1; ++i) {  // SiLU(gate) * up, each rounded to A
+        const auto [begin, end] = mine(N * I);
+        for (int64_t i = begin; i < end; ++i) {  // SiLU(gate) * up, each rounded to A
           const A* row = gate_up.data() + i / I * 2 * I;
           const float gate = static_cast<float>(row[i % I]), up = static_cast<float>(row[I + i % I]);
           act[i] = static_cast<X>(as_stored<A>(as_stored<A>(gate / (1.0f + std::exp(-gate))) * up));
         }
       }
 #pragma omp barrier
-      {
-        const auto [b0, b1] = mine(C);
-        products_of(mats[3], act.data(), scales[3], y.data(), B, C, I, b0, b1);
-      }
+      product(w[3], scale[3], act.data(), I, y.data(), C);
 #pragma omp barrier
-#pragma omp single
-      for (int64_t b = 0; b < B; ++b) {  // x + MLP, then the next norm (the next layer's first, or the final one)
-        for (int64_t c = 0; c < C; ++c) x[b * C + c] = static_cast<A>(static_cast<float>(x[b * C + c]) + static_cast<float>(y[b * C + c]));
-        rms_norm(x.data() + b * C, m.norms[2 * l + 2], C, d.eps, h.data() + b * C);
-      }
+      add_and_norm(m.norms[2 * l + 2]);  // the next layer's first norm, or the final one
     }
-    const auto [b0, b1] = mine(d.V);
-    products_of(m.matrices.back(), h.data(), m.scales.back(), logits, B, d.V, C, b0, b1);
+    product(m.matrices.back(), m.scales.back(), h.data(), C, logits, d.V);
   }
 }
 

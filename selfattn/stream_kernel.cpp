@@ -21,6 +21,7 @@
 #include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
+#include <omp.h>
 #include <torch/library.h>
 
 #include <algorithm>
