@@ -4,11 +4,13 @@
 A compiled graph (:mod:`selfattn.decode_step`) still pays per step for what surrounds its
 kernels: torch.compile's guards on every weight and cache (0.6 ms a SmolLM2 step on a 2-core EPYC),
 the Python wrapper that calls each of the 121 products and 30 attentions, a start and an end of
-the threads' work at each of them, and the fused elementwise kernels between. At batch 1 in
-bfloat16 that was a quarter of a 12 ms step whose matrices stream in 9. Here the whole step is one
-call: the threads start once, every product and attention is split among them, and they meet at a
-barrier where an operation needs all of the one before (ten a layer); the norms, the rotation and
-the additions are a few thousand numbers, done by one thread between two barriers.
+the threads' work at each of them, and the fused elementwise kernels between. Here the whole step is one call: the threads start once,
+every product and attention is split among them, and they meet at a barrier where an operation
+needs all of the one before (ten a layer); the norms, the rotation and the additions are a few
+thousand numbers, done by one thread between two barriers. SmolLM2 at batch 1 on that EPYC, the
+kernel's steps and the graph's alternating in one process: 1.09-1.17x faster in float32 and
+bfloat16, after 16 and 512 cached tokens (bfloat16 after 512: 9.07 against 10.65 ms); at batch 8
+1.03-1.06x (``docs/benchmarks.md``).
 
 The model it serves: every block ``x + attn(rmsnorm(x))``, ``x + down(silu(gate) * up)`` with
 RoPE (any rule but longrope, one for every layer), grouped kv heads, no biases, no window, no
@@ -118,8 +120,10 @@ class KernelStep:
         self.scale = a.scale if a.scale is not None else a.head_dim ** -0.5
 
     def serves(self, mask: Tensor | None, cache: Sequence) -> bool:
-        """Whether a step with this ``mask`` and ``cache`` runs here: no padding, the model's caches."""
-        return mask is None and all(type(c) is KVCache for c in cache)
+        """Whether a step with this ``mask`` and ``cache`` runs here: no padding, the model's caches,
+        and no dropout to draw (a model in training mode with dropout steps as it is)."""
+        dropout = self.model.training and self.model.config.dropout > 0
+        return mask is None and not dropout and all(type(c) is KVCache for c in cache)
 
     def __call__(self, idx: Tensor, cache: Sequence[KVCache], past: int) -> Tensor:
         """Logits ``(B, T, V)`` of the tokens ``idx`` ``(B, T)`` at positions ``past ..``, causal among
@@ -132,8 +136,8 @@ class KernelStep:
         B, T = idx.shape
         logits = stream_kernel.load(self.isa or stream_kernel.chosen()).step(
             idx, past, m.wte.weight, norms, [x.q if int8 else x.weight for x in matrices],
-            [x.scale if int8 else None for x in matrices], [t for c in cache for t in (c.k, c.v)], cos, sin,
-            self.n_head, self.eps, self.scale)
+            [x.scale.float() if int8 else None for x in matrices],  # float32 (a model cast since casts them)
+            [t for c in cache for t in (c.k, c.v)], cos, sin, self.n_head, self.eps, self.scale)
         for c in cache:
             c.length = past + T
         return logits.view(B, T, -1)  # (B·T, V) -> (B, T, V)

@@ -87,6 +87,13 @@ def test_compile_decode_generates_through_the_kernel_without_a_graph():
     assert counters["stats"]["unique_graphs"] == before
 
 
+def test_a_model_training_with_dropout_steps_as_it_is():
+    model = llama(dropout=0.1).compile_decode()
+    assert model._compiled.kernel.serves(None, [])
+    model.train()
+    assert not model._compiled.kernel.serves(None, [])  # dropout is drawn: the graph's step, not the kernel's
+
+
 def test_padded_rows_step_through_the_graph_as_eager():
     eager, compiled = llama(5), llama(5).compile_decode()
     idx, mask = left_pad([torch.randint(61, (n,), generator=torch.Generator().manual_seed(n)) for n in (3, 8)])
