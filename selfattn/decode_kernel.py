@@ -4,19 +4,20 @@
 A compiled graph (:mod:`selfattn.decode_step`) still pays per step for what surrounds its
 kernels: torch.compile's guards on every weight and cache (0.6 ms a SmolLM2 step on a 2-core EPYC),
 the Python wrapper that calls each of the 121 products and 30 attentions, a start and an end of
-the threads' work at each of them, and the fused elementwise kernels between. Here the whole step is one call: the threads start once,
-every product and attention is split among them, and they meet at a barrier where an operation
-needs all of the one before (ten a layer); the norms, the rotation and the additions are a few
-thousand numbers, done by one thread between two barriers. SmolLM2 at batch 1 on that EPYC, the
-kernel's steps and the graph's alternating in one process: 1.09-1.17x faster in float32 and
-bfloat16, after 16 and 512 cached tokens (bfloat16 after 512: 9.07 against 10.65 ms); at batch 8
-1.03-1.06x (``docs/benchmarks.md``).
+the threads' work at each of them, and the fused elementwise kernels between. Here the whole step
+is one call: the threads start once, every product and attention is split among them, and they
+meet at a barrier where an operation needs all of the one before (ten a layer); the norms, the
+rotation and the additions are a few thousand numbers, done by one thread between two barriers.
+SmolLM2 at batch 1 on that EPYC, the kernel's steps and the graph's alternating in one process:
+1.09-1.17x faster in float32 and bfloat16, after 16 and 512 cached tokens (bfloat16 after 512:
+9.07 against 10.65 ms); at batch 8 1.03-1.06x (``docs/benchmarks.md``).
 
 The model it serves: every block ``x + attn(rmsnorm(x))``, ``x + down(silu(gate) * up)`` with
 RoPE (any rule but longrope, one for every layer), grouped kv heads, no biases, no window, no
 other score rule; RMSNorm without offset; no learned positions, embedding scale or logit cap; every
-matrix stored in rows (:func:`selfattn.decode_layout.decode_layout`'s ``stream`` form, or int8 from
-:func:`selfattn.quantize.quantize_int8`). That is Llama, SmolLM2, Mistral without its window and
+matrix multiplied by the stream kernel (:func:`selfattn.decode_layout.decode_layout`'s ``stream`` form,
+where it measured it fastest for one row, or int8 from :func:`selfattn.quantize.quantize_int8`): the
+kernel runs the products the model's own step would. That is Llama, SmolLM2, Mistral without its window and
 Qwen2 without its biases; :func:`unsupported` says why another model is not, and its steps stay
 graphs. Batches of rows without padding only (a padded batch's step is a graph). A call takes one
 token a row (a decode step) or several (a speculative verification by prompt lookup or a draft
@@ -70,9 +71,11 @@ def unsupported(model: nn.Module) -> str | None:
     for m in matrices:
         if type(m) is Int8Linear and (m.kernel != "stream" or m.bias is not None):
             return "an int8 matrix is multiplied by another kernel or has a bias"
+        if type(m) is not Int8Linear and getattr(m, "one_row", None) != "stream":
+            return (f"its one-row products are not the stream kernel's ({getattr(m, 'one_row', 'nn.Linear')}: "
+                    f"decode_layout() measures which is fastest here, decode_layout(one_row='stream') sets it)")
         if type(m) is not Int8Linear and (not m.weight.is_contiguous() or m.weight.dtype != w.dtype):
-            return (f"a matrix is not stored in rows of {w.dtype} (decode_layout chose another form for this "
-                    f"machine: decode_layout(one_row='stream'))")
+            return f"a matrix is not stored in rows of {w.dtype}"
     return None
 
 

@@ -1,5 +1,6 @@
 // Decoding's kernels, each streaming its operand from memory once: a few rows times a matrix (rows),
-// and one query per head over the KV cache (attend, below the products).
+// and one query per head over the KV cache (attend, below the products); and with them a Llama-shaped
+// model's whole decode step (step, in decode_kernel.h).
 // (selfattn/stream_kernel.py builds this file and says why it exists).
 //
 //   rows(w (out, in), x (N, in), scale (out,) or None) -> (N, out) in x's dtype
