@@ -57,12 +57,11 @@ def unsupported(model: nn.Module) -> str | None:
     norms = [n for b in model.blocks for n in (b.ln_1, b.ln_2)] + [model.ln_f]
     if any(type(n) is not RMSNorm or n.offset or n.weight_in_float32 or n.eps != norms[0].eps for n in norms):
         return "its norms are not all RMSNorm of one epsilon, without offset"
-    rules = {(b.attn.rope_dims, b.attn.rope_base, repr(b.attn.rope_scaling)) for b in model.blocks}
     for i, b in enumerate(model.blocks):
         why = _block(b)
         if why is not None:
             return f"layer {i} {why}"
-    if len(rules) > 1:
+    if len({(b.attn.rope_dims, b.attn.rope_base, repr(b.attn.rope_scaling)) for b in model.blocks}) > 1:
         return "its layers rotate by different RoPE rules"
     matrices = _matrices(model)
     kinds = {(type(m) is Int8Linear, m.q.dtype if type(m) is Int8Linear else m.weight.dtype) for m in matrices}
