@@ -214,17 +214,38 @@ inline void block(const W* w, const X* x, int64_t in, float* sums, int rows) {
   dot<Rows>(w, x, in, sums);
 }
 
+// Several rows make the products compute-bound, and the matrix must then be fetched while they compute:
+// the core's out-of-order window, which keeps enough of one row's loads from memory in flight, fills
+// with multiply-adds. So a group of GROUP_BYTES of matrix rows, held in L1 while every block of rows
+// passes over it, asks L2 for the next group's as the first block passes. On the EPYC (SmolLM2's
+// matrices, 2 threads), 8 rows float32 took 22 ms against 33 without (one row 18), 16 rows 40 against
+// 65; bfloat16 8 rows 12.7 against 14.5, 16 rows 20.8 against 28.2.
+constexpr int64_t GROUP_BYTES = 16 << 10;
+
+// a hint to bring rows [0, n) of d entries, stride apart, toward the core before they are read
+template <typename T>
+inline void prefetch_rows(const T* p, int64_t stride, int64_t n, int64_t d) {
+  for (int64_t j = 0; j < n; ++j) {
+    for (int64_t i = 0; i < d; i += 64 / sizeof(T)) __builtin_prefetch(p + j * stride + i, 0, 2);
+  }
+}
+
 // y (N, out), written as Y, its columns [begin, end) (matrix rows); x (N, in) float32, or bfloat16 for dot's pairs
 template <typename W, typename X, typename Y>
 void products_of(const W* w, const X* x, const float* scale, Y* y, int64_t n, int64_t out, int64_t in, int64_t begin,
                  int64_t end) {
   float sums[R];
-  for (int64_t o = begin; o < end; ++o) {
-    const float s = scale ? scale[o] : 1.0f;
-    for (int64_t r = 0; r < n; r += R) {  // the matrix row stays in L1 while every block of rows passes
+  const int64_t group = std::max<int64_t>(4, GROUP_BYTES / (in * static_cast<int64_t>(sizeof(W))));  // matrix rows
+  for (int64_t g = begin; g < end; g += group) {
+    const int64_t g_end = std::min(end, g + group);
+    for (int64_t r = 0; r < n; r += R) {
       const int rows = static_cast<int>(std::min<int64_t>(R, n - r));
-      block<R>(w + o * in, x + r * in, in, sums, rows);
-      for (int i = 0; i < rows; ++i) y[(r + i) * out + o] = static_cast<Y>(scale ? sums[i] * s : sums[i]);
+      for (int64_t o = g; o < g_end; ++o) {
+        if (n > 1 && r == 0 && o + group < end) prefetch_rows(w + (o + group) * in, in, 1, in);
+        block<R>(w + o * in, x + r * in, in, sums, rows);
+        const float s = scale ? scale[o] : 1.0f;
+        for (int i = 0; i < rows; ++i) y[(r + i) * out + o] = static_cast<Y>(scale ? sums[i] * s : sums[i]);
+      }
     }
   }
 }
@@ -403,14 +424,6 @@ void weigh(const float* p, int64_t pstride, const T* v, int64_t sv, int64_t n, i
       for (int64_t j = 0; j < n; ++j) sum += p[h * pstride + j] * static_cast<float>(v[j * sv + t]);
       out[h * ostride + t] = sum;
     }
-  }
-}
-
-// a hint to bring rows [0, n) of d entries, stride apart, toward the core before they are read
-template <typename T>
-inline void prefetch_rows(const T* p, int64_t stride, int64_t n, int64_t d) {
-  for (int64_t j = 0; j < n; ++j) {
-    for (int64_t i = 0; i < d; i += 64 / sizeof(T)) __builtin_prefetch(p + j * stride + i, 0, 2);
   }
 }
 

@@ -10,7 +10,9 @@ AVX512-BF16, bfloat16 rows times a bfloat16 matrix take its pair products (each 
 is exact in float32), without widening either. On a 2-core AMD EPYC, the 121 matrices of
 SmolLM2-135M, 2 threads, one process, medians of 7: one row float32 18.6 ms (28.9 GB/s; a sum of
 the same bytes 17.6 ms), bfloat16 9.8 (the sum 9.2), int8 6.4; 8 rows 32.6, 14.1 (widened 26.2)
-and 20.0. Earlier measurements: a compiled SmolLM2 step in bfloat16 14.5 ms against 16.7 with the
+and 20.0. Since the next matrix rows are fetched while several rows compute (``products_of``), 8 rows
+take 22.9, 12.3 and 16.4 ms against 32.7, 13.9 and 19.1 before, in one run (one row 12.8, 7.6
+and 5.0 that day). Earlier measurements: a compiled SmolLM2 step in bfloat16 14.5 ms against 16.7 with the
 loop ``torch.compile`` wrote for the CPU (the form it replaced), int8 11.1 against 16.3 with
 PyTorch's ``_weight_int8pack_mm``.
 
