@@ -77,6 +77,18 @@ def test_int8_weights_step_as_the_quantised_model():
     assert_same_logits(steps(model, KernelStep(model), idx, 12, 8)[0], steps(model, eager_step(model), idx, 12, 8)[0])
 
 
+def test_a_model_quantised_between_generations_decodes_as_it_is_now():
+    """The kernel gathers the weights once per cache (a generation's): the next cache reads them anew."""
+    model, eager = llama(3), llama(3)
+    step = KernelStep(model)
+    idx = torch.randint(61, (1, 16), generator=torch.Generator().manual_seed(3))
+    assert_same_logits(steps(model, step, idx, 10, 6)[0], steps(eager, eager_step(eager), idx, 10, 6)[0])
+    quantize_int8(model), quantize_int8(eager)
+    ours, theirs = steps(model, step, idx, 10, 6)[0], steps(eager, eager_step(eager), idx, 10, 6)[0]
+    assert_same_logits(ours, theirs)
+    assert not torch.equal(ours, steps(llama(3), eager_step(llama(3)), idx, 10, 6)[0])  # control: int8 changed them
+
+
 def test_compile_decode_generates_through_the_kernel_without_a_graph():
     eager, compiled = llama(4), llama(4).compile_decode()
     assert compiled._compiled.kernel is not None
