@@ -162,9 +162,9 @@ def stream_bandwidth(device: torch.device, nbytes: int, reps: int = 5) -> dict:
 
 
 class BandwidthProbe:
-    """A sum over ``nbytes`` of float32 (far beyond any cache), timed among the rows of a case
-    (:func:`interleaved`): the streaming bandwidth while they ran, against which their roofline
-    fractions are read. On a shared VM it moves by a third between minutes (a 2-core EPYC:
+    """A sum over ``nbytes`` of float32 (far beyond any cache), timed just before and just after
+    each run of a decode row: the streaming bandwidth while it ran, against which its roofline
+    fraction is read. On a shared VM it moves by a third between minutes (a 2-core EPYC:
     33 to 58 GB/s within ten), so a bandwidth measured before or after the rows says little of
     theirs. The sum is :func:`stream_bandwidth`'s fastest kernel there."""
 

@@ -39,9 +39,12 @@ stored in (an embedding table only its B looked-up rows, unless it is also the h
 layer's cached keys and values up to the step's position (a sliding-window layer its window).
 ``bytes_per_step`` is that averaged over the N - 1 decode steps; ``achieved_gbps`` =
 bytes_per_step / (decode_s / (N - 1)); the fraction of the roofline = achieved / this machine's
-streaming bandwidth while the case ran, ``bandwidth_gbps``: a sum over ``bandwidth_mib`` MiB
-timed in every round among the case's rows (:class:`selfattn.bench.common.BandwidthProbe`),
-the median of its rounds. The whole test (:func:`selfattn.bench.common.stream_bandwidth`: sum,
+streaming bandwidth while the row ran, ``bandwidth_gbps``: a sum over ``bandwidth_mib`` MiB
+(:class:`selfattn.bench.common.BandwidthProbe`) timed just before and just after each of the row's
+runs, the median over its runs of the two's mean (on a shared VM the bandwidth moves from one
+minute to the next: read against a probe taken among the case's rows, up to a dozen seconds away,
+SmolLM2's float32 row showed 1.00 and its bfloat16 one 0.63 in one run, 29.9 and 31.6 GB/s
+against probes of 29.8 and 50.2). The whole test (:func:`selfattn.bench.common.stream_bandwidth`: sum,
 copy and matrix-vector product) runs before and after the rows too, for the record. A batch-1
 step of a memory-bound decoder cannot beat 1.0; a batch of B reuses each weight B times.
 
@@ -59,6 +62,7 @@ transformers' error plus 2% of the logits' range), and our cached, token-by-toke
 from __future__ import annotations
 
 import copy
+import functools
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -380,7 +384,7 @@ def _hf(hf, attn: str, idx: torch.Tensor, n: int, device) -> tuple[float, float,
 def _time_case(model_name: str, dtype: str, ours: GPT, impls: dict, idx: torch.Tensor, N: int, settings: Settings,
                device, peak, probe, log, missing: dict) -> list[dict]:
     """Rows for one (model, dtype, batch, prompt): every implementation timed, interleaved with
-    each other and with ``probe``, the bandwidth their roofline fractions are read against."""
+    each other, each run between two of ``probe``'s sums: the bandwidth its roofline fraction is read against."""
     B, P = idx.shape
     runs = {name: (lambda m=m: _ours(m, idx, N, device)) if name in OURS else
             (lambda m=m, a=HF_IMPLS[name]: _hf(m, a, idx, N, device)) for name, m in impls.items()}
@@ -389,10 +393,16 @@ def _time_case(model_name: str, dtype: str, ours: GPT, impls: dict, idx: torch.T
         start = time.perf_counter()
         grown[name], (_, _, tokens[name]) = peak.growth(fn) if peak is not None else (None, fn())
         first[name] = time.perf_counter() - start
-    splits = {name: [] for name in runs}
-    times, oom = common.interleaved({name: (lambda name=name: splits[name].append(runs[name]()[:2]))
-                                     for name in runs} | {"bandwidth": probe}, device, warmup=0, reps=settings.reps)
-    roof, gbps = roofline(ours, B, P, N), probe.gbps(times["bandwidth"])
+    splits, around = {name: [] for name in runs}, {name: [] for name in runs}
+
+    def between_probes(name: str) -> None:  # a run, and the bandwidth a probe just before and one just after read
+        before = common.timed(probe, device)[0]
+        splits[name].append(runs[name]()[:2])
+        around[name].append(probe.gbps([before, common.timed(probe, device)[0]]))
+
+    _, oom = common.interleaved({name: functools.partial(between_probes, name) for name in runs}, device, warmup=0,
+                                reps=settings.reps)
+    roof = roofline(ours, B, P, N)
     rows = []
     for name in runs:
         base = {"model": model_name, "impl": name, "dtype": dtype, "batch": B, "prompt": P, "new_tokens": N}
@@ -401,11 +411,11 @@ def _time_case(model_name: str, dtype: str, ours: GPT, impls: dict, idx: torch.T
             continue
         prefill = common.median([s[0] for s in splits[name]])
         decode = common.median([s[1] for s in splits[name]])
-        step = decode / (N - 1)
+        step, times, gbps = decode / (N - 1), [sum(s) for s in splits[name]], common.median(around[name])
         row = base | {"status": "ok", "estimated": False, "prefill_s": prefill, "decode_s": decode,
                       "prefills_s": [s[0] for s in splits[name]], "decodes_s": [s[1] for s in splits[name]],
-                      "time_s": common.median(times[name]), "times_s": times[name], "first_s": first[name],
-                      "tokens_per_s": B * N / common.median(times[name]), "decode_tokens_per_s": B * (N - 1) / decode,
+                      "time_s": common.median(times), "times_s": times, "first_s": first[name],
+                      "tokens_per_s": B * N / common.median(times), "decode_tokens_per_s": B * (N - 1) / decode,
                       "step_s": step, **roof, "achieved_gbps": roof["bytes_per_step"] / step / 1e9,
                       "bandwidth_gbps": gbps, "roofline_fraction": roof["bytes_per_step"] / step / 1e9 / gbps,
                       "greedy_agrees": bool(torch.equal(tokens[name], tokens["kv-cache"]))}
@@ -419,8 +429,8 @@ def _time_case(model_name: str, dtype: str, ours: GPT, impls: dict, idx: torch.T
                      "status": "unavailable", "reason": why})
     ok = [r for r in rows if r["status"] == "ok"]
     log(f"{model_name} {dtype} batch {B} prompt {P} + {N}: " + ", ".join(
-        f"{r['impl']} prefill {r['prefill_s'] * 1e3:.0f} ms, decode {r['decode_tokens_per_s']:.1f} tok/s" for r in ok)
-        + f"; bandwidth {gbps:.1f} GB/s")
+        f"{r['impl']} prefill {r['prefill_s'] * 1e3:.0f} ms, decode {r['decode_tokens_per_s']:.1f} tok/s, around it "
+        f"{r['bandwidth_gbps']:.1f} GB/s" for r in ok))
     return rows
 
 
@@ -504,7 +514,7 @@ def targets(result: dict) -> list[dict]:
                       status(mem, lambda x: x <= 1.2), listing(mem) or "not measured"),
         common.target("batch-1 decode >= 0.85 of the measured streaming bandwidth (float32 and bfloat16)",
                       status(roof, lambda x: x >= 0.85),
-                      (listing(roof, "{:.2f}") + " of the bandwidth measured among each case's rows")
+                      (listing(roof, "{:.2f}") + " of the bandwidth measured around each row's runs")
                       if roof else "not measured"),
         common.target("GPT-2-small shape: batch-1 decode >= 1.3x transformers' generate",
                       status(gpt2, lambda x: x >= 1.3),
@@ -541,8 +551,8 @@ def report(result: dict) -> str:
                        for c in result["checks"])
     return "\n".join([
         "", f"decode: greedy; prefill ms, decode tok/s (all rows of the batch, after the first token), tok/s with "
-            f"prefill; GB/s read per decode step (weights + KV cache), the bandwidth a sum streamed among the "
-            f"case's rows and x that roofline (before and after the run, the best of sum, copy and matvec: "
+            f"prefill; GB/s read per decode step (weights + KV cache), the bandwidth a sum streamed around the "
+            f"row's runs and x that roofline (before and after the run, the best of sum, copy and matvec: "
             f"{bw['before']['gbps']:.1f} and {bw['after']['gbps']:.1f} GB/s); peak MiB (weights + resident growth) "
             f"and x (weights + cache)",
         common.table(["model", "impl", "dtype", "B", "prompt", "new", "prefill ms", "decode tok/s", "tok/s",
