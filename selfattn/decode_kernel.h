@@ -1,24 +1,29 @@
-// One decode step of a decoder whose blocks are Llama's, as one call: the embedding, every block and
-// the head in one parallel region of the machine's threads, which meet at a barrier between the
-// operations where each needs all of the one before (selfattn/decode_kernel.py says which models, and
-// why). Included by stream_kernel.cpp inside its namespace: the products are its products_of, the
-// attention its attend_tasks and merge_runs.
+// One decode step of a pre-norm decoder (Llama's blocks, GPT-2's and the families between), as one
+// call: the embedding, every block and the head in one parallel region of the machine's threads, which
+// meet at a barrier between the operations where each needs all of the one before (selfattn/decode_kernel.py
+// says which models, and why). Included by stream_kernel.cpp inside its namespace: the products are its
+// products_of, the attention its attend_tasks and merge_runs.
 //
-//   step(tokens (B, T), past, wte (V, C), norms, matrices, scales, caches, cos, sin, n_head, eps, scale)
+//   step(tokens (B, T), past, wte (V, C), wpe, norms, norm_biases, matrices, biases, scales, caches, cos, sin,
+//        n_head, eps, scale, norm, act, gated)
 //     -> logits (B * T, V) in wte's dtype A: each row's T tokens at positions past .. past + T - 1 (one in a
 //        decode step, a few in a speculative verification), causal among themselves
 //
-// norms: each layer's two RMSNorm weights (C,), then the final one; matrices: each layer's qkv
-// ((H + 2 Hkv) D, C), proj (C, H D), gate_up (2 I, C) and down (C, I), then the head (V, C), all of
-// one dtype W (A, or int8 with a float32 scale (out,) each in scales); caches: each layer's k and v
-// (B, Hkv, max_len, D) in A, the tokens written at slots past ..; cos and sin (positions, R / 2) float32,
-// the rotary angles of the first R channels of each head (their attention factor in them).
+// wpe: learned positions (positions, C) added to the embedding, or None; norms: each layer's two norm
+// weights (C,), then the final one, with their biases (LayerNorm's, or None); norm: "rmsnorm" or
+// "layernorm", of one epsilon eps. matrices: each layer's qkv ((H + 2 Hkv) D, C), proj (C, H D), up
+// (I, C; with `gated`, gate and up as one (2 I, C), gate's rows first) and down (C, I), then the head
+// (V, C), all of one dtype W (A, or int8 with a float32 scale (out,) each in scales), each with its bias
+// in A or None; act: the MLP's activation, "silu", "gelu" or "gelu_tanh" (down(act(gate) * up) when
+// gated, down(act(up)) when not). caches: each layer's k and v (B, Hkv, max_len, D) in A, the tokens
+// written at slots past ..; cos and sin (positions, R / 2) float32, the rotary angles of the first R
+// channels of each head (their attention factor in them; R = 0 without RoPE).
 //
 // Every value is rounded to A where the model's own step rounds it (a tensor of A holds it): the
-// residual stream, each norm before and after its weight, each product, the rotated q and k, the
-// attention's output, SiLU and its product with up. So a float32 step sums as the model's does up to
-// the order of a few sums (the norms' mean of squares), and a half-precision one rounds as its eager
-// step does, not as a fused graph does.
+// residual stream, each RMSNorm before and after its weight (a LayerNorm once, at its end), each
+// product and the bias added to it, the rotated q and k, the attention's output, the activation and
+// its product with up. So a float32 step sums as the model's does up to the order of a few sums (the
+// norms' moments), and a half-precision one rounds as its eager step does, not as a fused graph does.
 
 template <typename A>
 inline float as_stored(float x) {  // x rounded to A, as a tensor of A holds it
@@ -32,6 +37,32 @@ void rms_norm(const A* x, const A* w, int64_t C, float eps, X* out) {
   for (int64_t c = 0; c < C; ++c) squares += static_cast<float>(x[c]) * static_cast<float>(x[c]);
   const float r = 1.0f / std::sqrt(squares / static_cast<float>(C) + eps);
   for (int64_t c = 0; c < C; ++c) out[c] = static_cast<X>(as_stored<A>(static_cast<float>(w[c]) * as_stored<A>(static_cast<float>(x[c]) * r)));
+}
+
+// (x - mean) / sqrt(variance + eps) * weight + bias of one row of C, in float32, rounded once to A as
+// LayerNorm rounds a half-precision row (bias may be nullptr)
+template <typename A, typename X>
+void layer_norm(const A* x, const A* w, const A* bias, int64_t C, float eps, X* out) {
+  float sum = 0.0f, squares = 0.0f;
+  for (int64_t c = 0; c < C; ++c) sum += static_cast<float>(x[c]);
+  const float mean = sum / static_cast<float>(C);
+  for (int64_t c = 0; c < C; ++c) squares += (static_cast<float>(x[c]) - mean) * (static_cast<float>(x[c]) - mean);
+  const float r = 1.0f / std::sqrt(squares / static_cast<float>(C) + eps);
+  for (int64_t c = 0; c < C; ++c) {
+    const float y = (static_cast<float>(x[c]) - mean) * r * static_cast<float>(w[c]);
+    out[c] = static_cast<X>(as_stored<A>(bias ? y + static_cast<float>(bias[c]) : y));
+  }
+}
+
+enum class Act { silu, gelu, gelu_tanh };
+
+inline float activation(Act act, float x) {
+  switch (act) {
+    case Act::silu: return x / (1.0f + std::exp(-x));
+    case Act::gelu: return 0.5f * x * (1.0f + std::erf(x * 0.70710678118654752f));
+    case Act::gelu_tanh: return 0.5f * x * (1.0f + std::tanh(0.79788456080286536f * (x + 0.044715f * x * x * x)));
+  }
+  return x;
 }
 
 // the first 2 * half channels of a head rotated: (x1 cos - x2 sin, x2 cos + x1 sin), in float32, rounded to A
@@ -48,13 +79,17 @@ void rotate(const A* x, const float* cos, const float* sin, int64_t half, int64_
 struct Dims {
   int64_t B, T, C, H, Hkv, D, half, I, V, layers, max_len, past;
   float eps, scale;
+  bool layer_norm, gated;  // LayerNorm (else RMSNorm); gate and up in one matrix (else up alone)
+  Act act;
 };
 
 template <typename A, typename W>
 struct Weights {
-  const A* wte;
+  const A *wte, *wpe;                  // wpe nullptr: no learned positions
   std::vector<const A*> norms;         // 2 per layer, then the final one
-  std::vector<const W*> matrices;      // 4 per layer (qkv, proj, gate_up, down), then the head
+  std::vector<const A*> norm_biases;   // one per norm, nullptr where it has none
+  std::vector<const W*> matrices;      // 4 per layer (qkv, proj, up or gate_up, down), then the head
+  std::vector<const A*> biases;        // one per matrix, nullptr where it has none
   std::vector<const float*> scales;    // one per matrix, nullptr but for int8
   std::vector<A*> caches;              // k, v per layer
   const float *cos, *sin;              // the angles of every position, half each
@@ -65,7 +100,8 @@ template <typename A, typename W, typename X>
 void decode(const Weights<A, W>& m, const Dims& d, const int64_t* tokens, A* logits) {
   const int64_t T = d.T, N = d.B * T, C = d.C, H = d.H, Hkv = d.Hkv, D = d.D, I = d.I, g = H / Hkv;  // N rows: every token
   const int64_t QKV = (H + 2 * Hkv) * D, S = d.past + T, runs = (S + KEYS - 1) / KEYS, tasks = d.B * Hkv * runs;
-  std::vector<A> x(N * C), qkv(N * QKV), y(N * C), gate_up(N * 2 * I), heads(N * H * D);  // heads (B, H, T, D)
+  const int64_t UP = d.gated ? 2 * I : I;  // the up matrix's rows: gate's and up's, or up's
+  std::vector<A> x(N * C), qkv(N * QKV), y(N * C), up(N * UP), heads(N * H * D);  // heads (B, H, T, D)
   std::vector<X> h(N * C), att(N * H * D), act(N * I);
   std::vector<float> q(N * H * D), parts(tasks * g * T * (D + 2)), rotated(D);  // q (B, H, T, D)
   const int64_t cache_strides[4] = {Hkv * d.max_len * D, d.max_len * D, D, 1};
@@ -75,27 +111,42 @@ void decode(const Weights<A, W>& m, const Dims& d, const int64_t* tokens, A* log
     const auto mine = [&](int64_t total) {  // this thread's part [begin, end) of total
       return std::pair<int64_t, int64_t>{total * thread / threads, total * (thread + 1) / threads};
     };
-    const auto product = [&](const W* w, const float* scale, const X* in, int64_t width, A* out, int64_t out_width) {
+    const auto product = [&](int64_t i, const X* in, int64_t width, A* out, int64_t out_width) {  // matrix i
       const auto [begin, end] = mine(out_width);  // this thread's matrix rows, for every row of in
-      products_of(w, in, scale, out, N, out_width, width, begin, end);
+      products_of(m.matrices[i], in, m.scales[i], out, N, out_width, width, begin, end);
+      if (const A* bias = m.biases[i]) {
+        for (int64_t n = 0; n < N; ++n) {
+          A* row = out + n * out_width;
+          for (int64_t o = begin; o < end; ++o) row[o] = static_cast<A>(static_cast<float>(row[o]) + static_cast<float>(bias[o]));
+        }
+      }
     };
-    const auto add_and_norm = [&](const A* norm) {  // x += y, h = norm(x): one thread, then a barrier
+    const auto norm = [&](int64_t i, int64_t row) {  // h[row] = norm i of x[row]
+      const A* in = x.data() + row * C;
+      if (d.layer_norm) {
+        layer_norm(in, m.norms[i], m.norm_biases[i], C, d.eps, h.data() + row * C);
+      } else {
+        rms_norm(in, m.norms[i], C, d.eps, h.data() + row * C);
+      }
+    };
+    const auto add_and_norm = [&](int64_t i) {  // x += y, h = norm i of x: one thread, then a barrier
 #pragma omp single
-      for (int64_t i = 0; i < N; ++i) {
-        for (int64_t c = i * C; c < (i + 1) * C; ++c) x[c] = static_cast<A>(static_cast<float>(x[c]) + static_cast<float>(y[c]));
-        rms_norm(x.data() + i * C, norm, C, d.eps, h.data() + i * C);
+      for (int64_t r = 0; r < N; ++r) {
+        for (int64_t c = r * C; c < (r + 1) * C; ++c) x[c] = static_cast<A>(static_cast<float>(x[c]) + static_cast<float>(y[c]));
+        norm(i, r);
       }
     };
 #pragma omp single
-    for (int64_t i = 0; i < N; ++i) {
-      std::copy(m.wte + tokens[i] * C, m.wte + (tokens[i] + 1) * C, x.data() + i * C);
-      rms_norm(x.data() + i * C, m.norms[0], C, d.eps, h.data() + i * C);
+    for (int64_t r = 0; r < N; ++r) {  // the token's embedding, plus its position's where the model learned them
+      const A *token = m.wte + tokens[r] * C, *position = m.wpe ? m.wpe + (d.past + r % T) * C : nullptr;
+      for (int64_t c = 0; c < C; ++c) {
+        x[r * C + c] = position ? static_cast<A>(static_cast<float>(token[c]) + static_cast<float>(position[c])) : token[c];
+      }
+      norm(0, r);
     }
     for (int64_t l = 0; l < d.layers; ++l) {
-      const W* const* w = m.matrices.data() + 4 * l;
-      const float* const* scale = m.scales.data() + 4 * l;
       A *kc = m.caches[2 * l], *vc = m.caches[2 * l + 1];
-      product(w[0], scale[0], h.data(), C, qkv.data(), QKV);
+      product(4 * l, h.data(), C, qkv.data(), QKV);
 #pragma omp barrier
 #pragma omp single
       for (int64_t i = 0; i < N; ++i) {  // q and k rotated, k and v into the cache
@@ -124,46 +175,69 @@ void decode(const Weights<A, W>& m, const Dims& d, const int64_t* tokens, A* log
         }
       }
 #pragma omp barrier
-      product(w[1], scale[1], att.data(), H * D, y.data(), C);
+      product(4 * l + 1, att.data(), H * D, y.data(), C);
 #pragma omp barrier
-      add_and_norm(m.norms[2 * l + 1]);
-      product(w[2], scale[2], h.data(), C, gate_up.data(), 2 * I);
+      add_and_norm(2 * l + 1);
+      product(4 * l + 2, h.data(), C, up.data(), UP);
 #pragma omp barrier
       {
         const auto [begin, end] = mine(N * I);
-        for (int64_t i = begin; i < end; ++i) {  // SiLU(gate) * up, each rounded to A
-          const A* row = gate_up.data() + i / I * 2 * I;
-          const float gate = static_cast<float>(row[i % I]), up = static_cast<float>(row[I + i % I]);
-          act[i] = static_cast<X>(as_stored<A>(as_stored<A>(gate / (1.0f + std::exp(-gate))) * up));
+        for (int64_t i = begin; i < end; ++i) {  // act(gate) * up, or act(up), each rounded to A
+          const A* row = up.data() + i / I * UP;
+          const float first = as_stored<A>(activation(d.act, static_cast<float>(row[i % I])));
+          act[i] = static_cast<X>(d.gated ? as_stored<A>(first * static_cast<float>(row[I + i % I])) : first);
         }
       }
 #pragma omp barrier
-      product(w[3], scale[3], act.data(), I, y.data(), C);
+      product(4 * l + 3, act.data(), I, y.data(), C);
 #pragma omp barrier
-      add_and_norm(m.norms[2 * l + 2]);  // the next layer's first norm, or the final one
+      add_and_norm(2 * l + 2);  // the next layer's first norm, or the final one
     }
-    product(m.matrices.back(), m.scales.back(), h.data(), C, logits, d.V);
+    product(4 * d.layers, h.data(), C, logits, d.V);
   }
 }
 
+// step's arguments, as the op gives them
+struct Args {
+  const at::Tensor &tokens, &wte;
+  const std::optional<at::Tensor>& wpe;
+  at::TensorList norms;
+  const c10::List<std::optional<at::Tensor>>& norm_biases;
+  at::TensorList matrices;
+  const c10::List<std::optional<at::Tensor>>&biases, &scales;
+  at::TensorList caches;
+  const at::Tensor &cos, &sin;
+  int64_t past, n_head;
+  double eps, scale;
+  bool layer_norm, gated;
+  Act act;
+};
+
+template <typename T>
+const T* data_or_null(const std::optional<at::Tensor>& t) {
+  return t ? t->data_ptr<T>() : nullptr;
+}
+
 template <typename A, typename W>
-at::Tensor decode_as(const at::Tensor& tokens, int64_t past, const at::Tensor& wte, at::TensorList norms, at::TensorList matrices,
-                     const c10::List<std::optional<at::Tensor>>& scales, at::TensorList caches, const at::Tensor& cos,
-                     const at::Tensor& sin, int64_t n_head, double eps, double scale) {
-  const int64_t layers = static_cast<int64_t>(caches.size()) / 2;
-  Weights<A, W> m{wte.data_ptr<A>(), {}, {}, {}, {}, cos.data_ptr<float>(), sin.data_ptr<float>()};
-  for (const at::Tensor& w : norms) m.norms.push_back(w.data_ptr<A>());
-  for (int64_t i = 0; i < static_cast<int64_t>(matrices.size()); ++i) {
-    m.matrices.push_back(matrices[i].data_ptr<W>());
-    const std::optional<at::Tensor> s = scales.get(i);
-    m.scales.push_back(s ? s->data_ptr<float>() : nullptr);
+at::Tensor decode_as(const Args& a) {
+  const int64_t layers = static_cast<int64_t>(a.caches.size()) / 2;
+  Weights<A, W> m{a.wte.data_ptr<A>(), data_or_null<A>(a.wpe), {}, {}, {}, {}, {}, {}, a.cos.data_ptr<float>(), a.sin.data_ptr<float>()};
+  for (int64_t i = 0; i < static_cast<int64_t>(a.norms.size()); ++i) {
+    m.norms.push_back(a.norms[i].data_ptr<A>());
+    m.norm_biases.push_back(data_or_null<A>(a.norm_biases.get(i)));
   }
-  for (const at::Tensor& c : caches) m.caches.push_back(c.data_ptr<A>());
-  const at::Tensor& k = caches[0];
-  const Dims d{tokens.size(0), tokens.size(1), wte.size(1), n_head, k.size(1), k.size(3), cos.size(1), matrices[2].size(0) / 2,
-               matrices.back().size(0), layers, k.size(2), past, static_cast<float>(eps), static_cast<float>(scale)};
-  at::Tensor logits = at::empty({d.B * d.T, d.V}, wte.options());
-  const at::Tensor ids = tokens.contiguous();
+  for (int64_t i = 0; i < static_cast<int64_t>(a.matrices.size()); ++i) {
+    m.matrices.push_back(a.matrices[i].data_ptr<W>());
+    m.biases.push_back(data_or_null<A>(a.biases.get(i)));
+    m.scales.push_back(data_or_null<float>(a.scales.get(i)));
+  }
+  for (const at::Tensor& c : a.caches) m.caches.push_back(c.data_ptr<A>());
+  const at::Tensor& k = a.caches[0];
+  const Dims d{a.tokens.size(0), a.tokens.size(1), a.wte.size(1), a.n_head, k.size(1), k.size(3), a.cos.size(1),
+               a.matrices[3].size(1), a.matrices.back().size(0), layers, k.size(2), a.past, static_cast<float>(a.eps),
+               static_cast<float>(a.scale), a.layer_norm, a.gated, a.act};
+  at::Tensor logits = at::empty({d.B * d.T, d.V}, a.wte.options());
+  const at::Tensor ids = a.tokens.contiguous();
 #if defined(__AVX512BF16__)
   if constexpr (std::is_same_v<A, c10::BFloat16> && std::is_same_v<W, c10::BFloat16>) {
     decode<A, W, c10::BFloat16>(m, d, ids.data_ptr<int64_t>(), logits.data_ptr<A>());
@@ -175,25 +249,32 @@ at::Tensor decode_as(const at::Tensor& tokens, int64_t past, const at::Tensor& w
 }
 
 template <typename A>
-at::Tensor decode_with(const at::Tensor& tokens, int64_t past, const at::Tensor& wte, at::TensorList norms, at::TensorList matrices,
-                       const c10::List<std::optional<at::Tensor>>& scales, at::TensorList caches, const at::Tensor& cos,
-                       const at::Tensor& sin, int64_t n_head, double eps, double scale) {
-  if (matrices[0].scalar_type() == at::kChar) {
-    return decode_as<A, int8_t>(tokens, past, wte, norms, matrices, scales, caches, cos, sin, n_head, eps, scale);
-  }
-  return decode_as<A, A>(tokens, past, wte, norms, matrices, scales, caches, cos, sin, n_head, eps, scale);
+at::Tensor decode_with(const Args& a) {
+  return a.matrices[0].scalar_type() == at::kChar ? decode_as<A, int8_t>(a) : decode_as<A, A>(a);
 }
 
-at::Tensor step(const at::Tensor& tokens, int64_t past, const at::Tensor& wte, at::TensorList norms, at::TensorList matrices,
-                const c10::List<std::optional<at::Tensor>>& scales, at::TensorList caches, const at::Tensor& cos,
-                const at::Tensor& sin, int64_t n_head, double eps, double scale) {
+Act activation_named(const std::string& name) {
+  if (name == "silu") return Act::silu;
+  if (name == "gelu") return Act::gelu;
+  TORCH_CHECK(name == "gelu_tanh", "decode_kernel.step: an activation silu, gelu or gelu_tanh, got ", name);
+  return Act::gelu_tanh;
+}
+
+at::Tensor step(const at::Tensor& tokens, int64_t past, const at::Tensor& wte, const std::optional<at::Tensor>& wpe,
+                at::TensorList norms, const c10::List<std::optional<at::Tensor>>& norm_biases, at::TensorList matrices,
+                const c10::List<std::optional<at::Tensor>>& biases, const c10::List<std::optional<at::Tensor>>& scales,
+                at::TensorList caches, const at::Tensor& cos, const at::Tensor& sin, int64_t n_head, double eps, double scale,
+                const std::string& norm, const std::string& act, bool gated) {
   // the caller (decode_kernel.py) has checked the model; these hold it to what this file reads
-  const int64_t layers = static_cast<int64_t>(caches.size()) / 2;
-  TORCH_CHECK(layers > 0 && static_cast<int64_t>(matrices.size()) == 4 * layers + 1 &&
-                  static_cast<int64_t>(norms.size()) == 2 * layers + 1 && static_cast<int64_t>(scales.size()) == 4 * layers + 1,
-              "decode_kernel.step: 2 norms, 4 matrices and k, v per layer, a final norm and the head");
+  const int64_t layers = static_cast<int64_t>(caches.size()) / 2, n = static_cast<int64_t>(matrices.size());
+  TORCH_CHECK(layers > 0 && n == 4 * layers + 1 && static_cast<int64_t>(norms.size()) == 2 * layers + 1 &&
+                  static_cast<int64_t>(norm_biases.size()) == 2 * layers + 1 && static_cast<int64_t>(biases.size()) == n &&
+                  static_cast<int64_t>(scales.size()) == n,
+              "decode_kernel.step: 2 norms, 4 matrices and k, v per layer, a final norm and the head, each with its bias");
+  TORCH_CHECK(norm == "rmsnorm" || norm == "layernorm", "decode_kernel.step: a norm rmsnorm or layernorm, got ", norm);
+  const int64_t positions = wpe ? std::min(wpe->size(0), cos.size(0)) : cos.size(0);
   TORCH_CHECK(tokens.dim() == 2 && tokens.scalar_type() == at::kLong && cos.scalar_type() == at::kFloat &&
-                  past + tokens.size(1) <= cos.size(0) && past + tokens.size(1) <= caches[0].size(2),
+                  past + tokens.size(1) <= positions && past + tokens.size(1) <= caches[0].size(2),
               "decode_kernel.step: tokens (B, T) int64, float32 angles and slots for positions ", past, " + T");
   for (const at::Tensor& w : matrices) {
     TORCH_CHECK(w.is_contiguous() && w.scalar_type() == matrices[0].scalar_type(), "decode_kernel.step: matrices of one dtype, in rows");
@@ -202,10 +283,19 @@ at::Tensor step(const at::Tensor& tokens, int64_t past, const at::Tensor& wte, a
     TORCH_CHECK(c.is_contiguous() && c.sizes() == caches[0].sizes() && c.scalar_type() == wte.scalar_type(),
                 "decode_kernel.step: contiguous caches alike, in the embedding's dtype");
   }
+  for (const auto& list : {norm_biases, biases}) {
+    for (const std::optional<at::Tensor>& b : list) {
+      TORCH_CHECK(!b || (b->is_contiguous() && b->scalar_type() == wte.scalar_type()), "decode_kernel.step: biases in the embedding's dtype");
+    }
+  }
+  TORCH_CHECK(wte.is_contiguous() && (!wpe || (wpe->is_contiguous() && wpe->scalar_type() == wte.scalar_type())),
+              "decode_kernel.step: wte and wpe in rows, of one dtype");
+  const Args a{tokens, wte, wpe, norms, norm_biases, matrices, biases, scales, caches, cos, sin,
+               past, n_head, eps, scale, norm == "layernorm", gated, activation_named(act)};
   switch (wte.scalar_type()) {
-    case at::kFloat: return decode_with<float>(tokens, past, wte, norms, matrices, scales, caches, cos, sin, n_head, eps, scale);
-    case at::kBFloat16: return decode_with<c10::BFloat16>(tokens, past, wte, norms, matrices, scales, caches, cos, sin, n_head, eps, scale);
-    case at::kHalf: return decode_with<c10::Half>(tokens, past, wte, norms, matrices, scales, caches, cos, sin, n_head, eps, scale);
+    case at::kFloat: return decode_with<float>(a);
+    case at::kBFloat16: return decode_with<c10::BFloat16>(a);
+    case at::kHalf: return decode_with<c10::Half>(a);
     default: TORCH_CHECK(false, "decode_kernel.step: a model of ", wte.scalar_type(), " (float32, bfloat16 or float16)");
   }
 }

@@ -1,5 +1,6 @@
-"""A decode step of a Llama-shaped model as one C++ call (``decode_kernel.h``, built with
-:mod:`selfattn.stream_kernel`), for :meth:`GPT.compile_decode` on the CPU.
+"""A decode step of a pre-norm decoder (Llama's, GPT-2's and the families between) as one C++
+call (``decode_kernel.h``, built with :mod:`selfattn.stream_kernel`), for :meth:`GPT.compile_decode`
+on the CPU.
 
 A compiled graph (:mod:`selfattn.decode_step`) still pays per step for what surrounds its
 kernels: torch.compile's guards on every weight and cache (0.6 ms a SmolLM2 step on a 2-core EPYC),
@@ -12,16 +13,19 @@ SmolLM2 at batch 1 on that EPYC, the kernel's steps and the graph's alternating 
 1.09-1.17x faster in float32 and bfloat16, after 16 and 512 cached tokens (bfloat16 after 512:
 9.07 against 10.65 ms); at batch 8 1.03-1.06x (``docs/benchmarks.md``).
 
-The model it serves: every block ``x + attn(rmsnorm(x))``, ``x + down(silu(gate) * up)`` with
-RoPE (any rule but longrope, one for every layer), grouped kv heads, no biases, no window, no
-other score rule; RMSNorm without offset; no learned positions, embedding scale or logit cap; every
-matrix multiplied by the stream kernel (:func:`selfattn.decode_layout.decode_layout`'s ``stream`` form,
-where it measured it fastest for one row, or int8 from :func:`selfattn.quantize.quantize_int8`): the
-kernel runs the products the model's own step would. That is Llama, SmolLM2, Mistral without its window and
-Qwen2 without its biases; :func:`unsupported` says why another model is not, and its steps stay
-graphs. Batches of rows without padding only (a padded batch's step is a graph). A call takes one
-token a row (a decode step) or several (a speculative verification by prompt lookup or a draft
-model: causal among themselves, after the cached ones).
+The model it serves: every block ``x + attn(norm(x))``, ``x + mlp(norm(x))``, the norms all RMSNorm
+(without offset) or all LayerNorm (with or without bias), of one epsilon; RoPE (any rule but
+longrope, one for every layer), learned positions or neither; grouped kv heads; no window and no
+other score rule; an MLP ``down(act(gate) * up)`` or ``down(act(up))`` with SiLU or GELU (exact
+or tanh); biases on any matrix; no embedding norm or scale, no logit cap; every matrix multiplied
+by the stream kernel (:func:`selfattn.decode_layout.decode_layout`'s ``stream`` form, where it
+measured it fastest for one row, or int8 from :func:`selfattn.quantize.quantize_int8`): the kernel
+runs the products the model's own step would. That is Llama, SmolLM2, Qwen2, Phi-3 without
+longrope, Mistral without its window, GPT-2 and this project's GPTs; :func:`unsupported` says why
+another model is not (Gemma, OLMo 2, BLOOM, gpt-oss), and its steps stay graphs. Batches of rows
+without padding only (a padded batch's step is a graph). A call takes one token a row (a decode
+step) or several (a speculative verification by prompt lookup or a draft model: causal among
+themselves, after the cached ones).
 
 Each value is rounded to the model's dtype where its eager step rounds it (``decode_kernel.h``
 lists them), so a half-precision step rounds as the eager one does, not as a fused graph does.
@@ -51,26 +55,30 @@ def unsupported(model: nn.Module) -> str | None:
     w = model.wte.weight
     if w.device.type != "cpu" or w.dtype not in DTYPES:
         return f"the model is {w.dtype} on {w.device}, the kernel takes float32, bfloat16 or float16 on the CPU"
-    if model.wpe is not None or model.ln_emb is not None or model.config.embedding_scale is not None:
-        return "its embedding has learned positions, a norm or a scale"
+    if model.ln_emb is not None or model.config.embedding_scale is not None:
+        return "its embedding has a norm or a scale"
     if model.config.logit_softcap is not None:
         return "its logits are soft-capped"
-    norms = [n for b in model.blocks for n in (b.ln_1, b.ln_2)] + [model.ln_f]
-    if any(type(n) is not RMSNorm or n.offset or n.weight_in_float32 or n.eps != norms[0].eps for n in norms):
-        return "its norms are not all RMSNorm of one epsilon, without offset"
+    norms = _norms(model)
+    if not (all(type(n) is RMSNorm and not n.offset and not n.weight_in_float32 for n in norms) or
+            all(type(n) is nn.LayerNorm and n.weight is not None for n in norms)) or \
+            len({n.eps for n in norms}) > 1:
+        return "its norms are not all RMSNorm (without offset) or all LayerNorm, of one epsilon"
     for i, b in enumerate(model.blocks):
         why = _block(b)
         if why is not None:
             return f"layer {i} {why}"
-    if len({(b.attn.rope_dims, b.attn.rope_base, repr(b.attn.rope_scaling)) for b in model.blocks}) > 1:
+    if len({(b.attn.rope, b.attn.rope_dims, b.attn.rope_base, repr(b.attn.rope_scaling)) for b in model.blocks}) > 1:
         return "its layers rotate by different RoPE rules"
+    if len({_mlp(b.mlp) for b in model.blocks}) > 1:
+        return "its layers' MLPs differ"
     matrices = _matrices(model)
     kinds = {(type(m) is Int8Linear, m.q.dtype if type(m) is Int8Linear else m.weight.dtype) for m in matrices}
     if len(kinds) > 1:
         return f"its matrices are not of one dtype ({sorted(str(k[1]) for k in kinds)})"
     for m in matrices:
-        if type(m) is Int8Linear and (m.kernel != "stream" or m.bias is not None):
-            return "an int8 matrix is multiplied by another kernel or has a bias"
+        if type(m) is Int8Linear and m.kernel != "stream":
+            return "an int8 matrix is multiplied by another kernel"
         if type(m) is not Int8Linear and getattr(m, "one_row", None) != "stream":
             return (f"its one-row products are not the stream kernel's ({getattr(m, 'one_row', 'nn.Linear')}: "
                     f"decode_layout() measures which is fastest here, decode_layout(one_row='stream') sets it)")
@@ -80,32 +88,45 @@ def unsupported(model: nn.Module) -> str | None:
 
 
 def _block(b: nn.Module) -> str | None:
-    """Why block ``b`` is not Llama's (None when it is)."""
+    """Why block ``b`` is not one the kernel runs (None when it is)."""
     a, mlp = b.attn, b.mlp
     if not (isinstance(b.post_ln_1, nn.Identity) and (mlp is None or isinstance(b.post_ln_2, nn.Identity))):
         return "norms its sublayers' outputs"
-    if not a.rope or (a.rope_scaling or {}).get("rope_type") == "longrope":
-        return "has no RoPE, or longrope's"
+    if a.rope and (a.rope_scaling or {}).get("rope_type") == "longrope":
+        return "rotates by longrope"
     if a.window is not None or a.alibi or a.softcap is not None or a.sinks is not None or a.q_norm is not None \
             or a.mask_mod is not None or a.score_mod is not None:
         return "has a window, ALiBi, soft-capping, sinks, q/k norms or a mask or score rule"
-    if _bias(a.qkv) is not None or _bias(a.proj) is not None:
-        return "has attention biases"
-    if mlp is None or not hasattr(mlp, "act") or type(mlp.act) is not nn.SiLU:
-        return "has no SwiGLU MLP"
-    if _bias(mlp.gate_up_proj) is not None or _bias(mlp.down_proj) is not None:
-        return "has MLP biases"
+    if _mlp(mlp) is None:
+        return "has no MLP of SiLU or GELU, gated or not"
     return None
 
 
-def _bias(m: nn.Module) -> Tensor | None:
-    return getattr(m, "bias", None)
+def _mlp(mlp: nn.Module | None) -> tuple[str, bool] | None:
+    """The kernel's name of ``mlp``'s activation and whether it is gated, None for an MLP it has not."""
+    if isinstance(getattr(mlp, "gate_up_proj", None), nn.Module):  # model.GatedMLP (MoE's is a Parameter)
+        act, gated = mlp.act, True
+    elif isinstance(getattr(mlp, "c_fc", None), nn.Module):  # model.MLP
+        act, gated = mlp.gelu, False
+    else:
+        return None
+    if type(act) is nn.SiLU:
+        return "silu", gated
+    if type(act) is nn.GELU:
+        return {"none": "gelu", "tanh": "gelu_tanh"}[act.approximate], gated
+    return None
+
+
+def _norms(model: nn.Module) -> list[nn.Module]:
+    """The norms in the order of ``decode_kernel.h``: each layer's two, the final one."""
+    return [n for b in model.blocks for n in (b.ln_1, b.ln_2)] + [model.ln_f]
 
 
 def _matrices(model: nn.Module) -> list[nn.Module]:
-    """The matrices in the order of ``decode_kernel.h``: each layer's qkv, proj, gate_up and down, the head."""
-    return [m for b in model.blocks for m in (b.attn.qkv, b.attn.proj, b.mlp.gate_up_proj, b.mlp.down_proj)] + \
-        [model.lm_head]
+    """The matrices in the order of ``decode_kernel.h``: each layer's qkv, proj, up (or gate_up) and down, the head."""
+    def mlp(m: nn.Module) -> tuple[nn.Module, nn.Module]:
+        return (m.gate_up_proj, m.down_proj) if hasattr(m, "gate_up_proj") else (m.c_fc, m.c_proj)
+    return [m for b in model.blocks for m in (b.attn.qkv, b.attn.proj, *mlp(b.mlp))] + [model.lm_head]
 
 
 class KernelStep:
@@ -119,9 +140,10 @@ class KernelStep:
             raise ValueError(f"the decode kernel cannot run this model: {why}")
         self.model, self.angles, self.isa = model, None, isa
         self.cache, self.weights = None, None  # the cache (its first layer, weakly) they were gathered for, and them
-        a = model.blocks[0].attn
-        self.n_head, self.eps = a.n_head, model.ln_f.eps
-        self.scale = a.scale if a.scale is not None else a.head_dim ** -0.5
+        a, (act, gated) = model.blocks[0].attn, _mlp(model.blocks[0].mlp)
+        self.shape = {"n_head": a.n_head, "eps": model.ln_f.eps, "act": act, "gated": gated,
+                      "scale": a.scale if a.scale is not None else a.head_dim ** -0.5,
+                      "norm": "rmsnorm" if type(model.ln_f) is RMSNorm else "layernorm"}  # the step's arguments
 
     def serves(self, mask: Tensor | None, cache: Sequence) -> bool:
         """Whether a step with this ``mask`` and ``cache`` runs here: no padding, the model's caches,
@@ -135,31 +157,35 @@ class KernelStep:
         if self.cache is None or self.cache() is not cache[0]:  # a new generation's cache
             self.weights, self.cache = self._weights(), weakref.ref(cache[0])
         B, T = idx.shape
-        wte, norms, matrices, scales = self.weights
         cos, sin = self._angles()
         logits = stream_kernel.load(self.isa or stream_kernel.chosen()).step(
-            idx, past, wte, norms, matrices, scales, [t for c in cache for t in (c.k, c.v)], cos, sin,
-            self.n_head, self.eps, self.scale)
+            idx, past, caches=[t for c in cache for t in (c.k, c.v)], cos=cos, sin=sin, **self.weights, **self.shape)
         for c in cache:
             c.length = past + T
         return logits.view(B, T, -1)  # (B·T, V) -> (B, T, V)
 
-    def _weights(self) -> tuple[Tensor, list[Tensor], list[Tensor], list[Tensor | None]]:
-        """The model's embedding, norms, matrices and int8 scales as they are now, gathered once per
-        generation (per cache: 0.35 ms of a 10 ms SmolLM2 step), so a model cast or quantised since
-        the last generation decodes as it is now."""
+    def _weights(self) -> dict[str, Tensor | None | list]:
+        """The model's embeddings, norms, matrices, biases and int8 scales as they are now (the
+        step's arguments of those names), gathered once per generation (per cache: 0.35 ms of a
+        10 ms SmolLM2 step), so a model cast or quantised since the last generation decodes as it is now."""
         m = self.model
-        matrices = _matrices(m)
+        dtype, matrices, norms = m.wte.weight.dtype, _matrices(m), _norms(m)
         int8 = type(matrices[0]) is Int8Linear
-        norms = [n.weight for b in m.blocks for n in (b.ln_1, b.ln_2)] + [m.ln_f.weight]
-        return (m.wte.weight, norms, [x.q if int8 else x.weight for x in matrices],
-                [x.scale.float() if int8 else None for x in matrices])  # float32 (a model cast casts them)
+        return {"wte": m.wte.weight.contiguous(),  # in rows (a layout for another form stores it in columns)
+                "wpe": None if m.wpe is None else m.wpe.weight.contiguous(),
+                "norms": [n.weight for n in norms], "norm_biases": [getattr(n, "bias", None) for n in norms],
+                "matrices": [x.q if int8 else x.weight for x in matrices],
+                "biases": [None if x.bias is None else x.bias.to(dtype) for x in matrices],  # int8's: float32
+                "scales": [x.scale.float() if int8 else None for x in matrices]}  # float32 (a model cast casts them)
 
     def _angles(self) -> tuple[Tensor, Tensor]:
-        """RoPE's cos and sin of every position the model reads, ``(block_size, R / 2)`` float32, once."""
+        """RoPE's cos and sin of every position the model reads, ``(block_size, R / 2)`` float32, once
+        (``(block_size, 0)`` without RoPE: nothing rotates)."""
         if self.angles is None:
-            a = self.model.blocks[0].attn
-            positions = torch.arange(self.model.config.block_size)
-            cos, sin = rope_angles(positions, a.rope_dims, a.rope_base, scaling=a.rope_scaling)  # (1, 1, P, R/2)
-            self.angles = cos[0, 0].float().contiguous(), sin[0, 0].float().contiguous()
+            a, positions = self.model.blocks[0].attn, torch.arange(self.model.config.block_size)
+            if not a.rope:
+                self.angles = (torch.zeros(len(positions), 0),) * 2
+            else:
+                cos, sin = rope_angles(positions, a.rope_dims, a.rope_base, scaling=a.rope_scaling)  # (1, 1, P, R/2)
+                self.angles = cos[0, 0].float().contiguous(), sin[0, 0].float().contiguous()
         return self.angles

@@ -20,9 +20,10 @@ then a fixed cache size, then the step that fills the cache, whose keys are the 
 That last one still costs a graph of its own, so :meth:`GPT.generate` gives a compiled model's
 caches one slot more than the generation fills.
 
-Where the model is Llama-shaped and the C++ kernels build, a step without padding is no graph at
-all but one call of :mod:`selfattn.decode_kernel` (every operation of the step in one parallel
-region: none of the guards, wrapper and per-kernel costs below); the graphs serve the rest.
+Where the decode kernel serves the model (a pre-norm decoder: Llama's blocks, GPT-2's) and the C++
+kernels build, a step without padding is no graph at all but one call of
+:mod:`selfattn.decode_kernel` (every operation of the step in one parallel region: none of the
+guards, wrapper and per-kernel costs below); the graphs serve the rest.
 
 Speculative decoding (:mod:`selfattn.speculative`) feeds a varying number of tokens at once
 through a range of blocks: all of them (a verification), the first N (self-speculation's

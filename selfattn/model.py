@@ -369,13 +369,13 @@ class GPT(nn.Module):
     def compile_decode(self) -> GPT:
         """Let :meth:`generate` run each decoded token through one compiled step
         (:mod:`selfattn.decode_step`): the embedding, every block and the head in one
-        ``torch.compile`` graph, which serves every later step and generation (for a Llama-shaped
-        model on the CPU, one call of a C++ kernel instead: :mod:`selfattn.decode_kernel`); speculative
-        decoding's drafts and verifications run through compiled graphs of their own. The first
-        generation compiles them (seconds; tens of seconds for a 135M model). The same tokens as
-        eager decoding in float32; in half precision the fused graph rounds less often, so a
-        near-tie may break the other way. A ValueError for a model with a sliding-window layer.
-        Returns the model."""
+        ``torch.compile`` graph, which serves every later step and generation (for a pre-norm
+        decoder on the CPU, Llama's or GPT-2's, one call of a C++ kernel instead:
+        :mod:`selfattn.decode_kernel`); speculative decoding's drafts and verifications run through
+        compiled graphs of their own. The first generation compiles them (seconds; tens of seconds
+        for a 135M model). The same tokens as eager decoding in float32; in half precision the fused
+        graph rounds less often, so a near-tie may break the other way. A ValueError for a model
+        with a sliding-window layer. Returns the model."""
         self._compiled = decode_step.CompiledDecode(self)
         return self
 

@@ -1,6 +1,6 @@
 // Decoding's kernels, each streaming its operand from memory once: a few rows times a matrix (rows),
-// and one query per head over the KV cache (attend, below the products); and with them a Llama-shaped
-// model's whole decode step (step, in decode_kernel.h).
+// and one query per head over the KV cache (attend, below the products); and with them a pre-norm
+// decoder's whole decode step (step, in decode_kernel.h).
 // (selfattn/stream_kernel.py builds this file and says why it exists).
 //
 //   rows(w (out, in), x (N, in), scale (out,) or None) -> (N, out) in x's dtype
@@ -29,6 +29,8 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <optional>
+#include <string>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -63,10 +65,8 @@ typedef int32_t ivec __attribute__((vector_size(4 * L)));
 typedef uint32_t uvec __attribute__((vector_size(4 * L)));
 typedef uint16_t u16vec __attribute__((vector_size(2 * L)));
 
-inline vec splat(float x) {  // x in every lane
-  vec v;
-  for (int i = 0; i < L; ++i) v[i] = x;
-  return v;
+inline vec splat(float x) {  // x in every lane (x - 0 is x, -0 included: one broadcast; lane by lane, GCC inserted each)
+  return x - vec{};
 }
 
 inline void store(float* p, vec v) { std::memcpy(p, &v, sizeof v); }
@@ -562,8 +562,9 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k_, const at::Tensor& v
 SELFATTN_DEFINE(SELFATTN_NAMESPACE) {
   m.def("rows(Tensor w, Tensor x, Tensor? scale) -> Tensor");
   m.def("attend(Tensor q, Tensor k, Tensor v, float scale) -> Tensor");
-  m.def("step(Tensor tokens, int past, Tensor wte, Tensor[] norms, Tensor[] matrices, Tensor?[] scales, Tensor(a!)[] caches, "
-        "Tensor cos, Tensor sin, int n_head, float eps, float scale) -> Tensor");
+  m.def("step(Tensor tokens, int past, Tensor wte, Tensor? wpe, Tensor[] norms, Tensor?[] norm_biases, Tensor[] matrices, "
+        "Tensor?[] biases, Tensor?[] scales, Tensor(a!)[] caches, Tensor cos, Tensor sin, int n_head, float eps, float scale, "
+        "str norm, str act, bool gated) -> Tensor");
 }
 SELFATTN_IMPLEMENT(SELFATTN_NAMESPACE) {
   m.impl("rows", &rows);

@@ -36,7 +36,7 @@ and the compiler builds (:func:`instruction_sets`, :func:`chosen`), and kept in
 :func:`failure` says why it cannot be used (no compiler, a compile error), and the callers then
 keep PyTorch's kernels. The operators are ``torch.ops.selfattn_stream_<set>.rows`` and ``.attend``:
 ``torch.compile`` calls them as they are, within one graph. The same library holds ``.step``, a
-Llama-shaped model's whole decode step on these kernels (``decode_kernel.h``,
+pre-norm decoder's whole decode step on these kernels (``decode_kernel.h``,
 :mod:`selfattn.decode_kernel`).
 
 A row's sums take the same order whatever rows come with it, so its result has the same bits

@@ -1,5 +1,6 @@
-"""The decode kernel: a Llama-shaped model's step as one C++ call gives the model's own logits and
-caches, in every build this CPU runs, and serves compile_decode where it can."""
+"""The decode kernel: a pre-norm decoder's step (Llama's, GPT-2's and the families between) as one
+C++ call gives the model's own logits and caches, in every build this CPU runs, and serves
+compile_decode where it can."""
 import re
 
 import pytest
@@ -15,12 +16,18 @@ from tests.helpers.models import assert_same_logits, left_pad, scrambled, small
 
 LLAMA = {"pos": "rope", "norm": "rmsnorm", "mlp_kind": "swiglu", "intermediate_size": 48, "head_dim": 16,
          "n_kv_head": 2, "tie_embeddings": False, "block_size": 300}
+GPT2 = {"pos": "learned", "norm": "layernorm", "mlp_kind": "gelu", "bias": True, "n_kv_head": None, "head_dim": None,
+        "intermediate_size": None, "tie_embeddings": True}  # over LLAMA: GPTConfig's defaults, with biases
 VARIANTS = {
     "gqa": LLAMA,
     "tied-mqa": LLAMA | {"n_kv_head": 1, "tie_embeddings": True},
     "partial-rotary-llama3": LLAMA | {"rope_dims": 8, "rope_base": 500000.0, "rope_scaling": {
         "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
         "original_max_position_embeddings": 32}},
+    "qwen2-qkv-biases": LLAMA | {"qkv_bias": True},
+    "gpt2": GPT2,
+    "layernorm-geglu-erf-no-positions": LLAMA | {"pos": "none", "norm": "layernorm", "mlp_kind": "geglu",
+                                                 "gelu_approximate": "none"},
 }
 BUILDS = [isa for isa in stream_kernel.instruction_sets() if stream_kernel.failure(isa) is None]
 
@@ -58,11 +65,12 @@ def test_kernel_steps_give_the_models_logits_and_caches(isa, variant):
 
 @pytest.mark.parametrize("isa", BUILDS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_half_precision_steps_round_no_worse_than_eager(isa, dtype):
+@pytest.mark.parametrize("variant", ["gqa", "gpt2"])
+def test_half_precision_steps_round_no_worse_than_eager(isa, dtype, variant):
     """Each rounding held against the float32 model: the kernel's error at most twice eager's plus 2%
     of the logits' range (the rule of the low-precision tests)."""
-    reference = llama(2)
-    model = llama(2).to(dtype).decode_layout(one_row="stream", few_rows="stream")
+    reference = llama(2, **VARIANTS[variant])
+    model = llama(2, **VARIANTS[variant]).to(dtype).decode_layout(one_row="stream", few_rows="stream")
     idx = torch.randint(61, (1, 40), generator=torch.Generator().manual_seed(2))
     exact, _ = steps(reference, eager_step(reference), idx, 30, 10)
     ours, _ = steps(model, KernelStep(model, isa=isa), idx, 30, 10)
@@ -71,8 +79,12 @@ def test_half_precision_steps_round_no_worse_than_eager(isa, dtype):
     assert ours.dtype == dtype and err["kernel"] <= 2 * err["eager"] + 0.02 * exact.abs().max().item(), err
 
 
-def test_int8_weights_step_as_the_quantised_model():
-    model = quantize_int8(llama(3))
+@pytest.mark.parametrize("variant", ["gqa", "gpt2"])
+@pytest.mark.parametrize("layout", ["stream", "linear"])
+def test_int8_weights_step_as_the_quantised_model(variant, layout):
+    """Quantised after a layout for another one-row form too, which stores the embedding in columns."""
+    model = quantize_int8(llama(3, **VARIANTS[variant]).decode_layout(one_row=layout, few_rows=layout))
+    assert layout == "stream" or not model.wte.weight.is_contiguous()
     idx = torch.randint(61, (3, 20), generator=torch.Generator().manual_seed(3))
     assert_same_logits(steps(model, KernelStep(model), idx, 12, 8)[0], steps(model, eager_step(model), idx, 12, 8)[0])
 
@@ -117,12 +129,12 @@ def test_padded_rows_step_through_the_graph_as_eager():
 
 
 @pytest.mark.parametrize(("change", "why"), [
-    (lambda m: GPT(small(bias=True)).eval(), "its embedding has learned positions"),  # GPT-2
-    (lambda m: llama(norm="layernorm"), "its norms are not all RMSNorm"),
-    (lambda m: llama(qkv_bias=True), "layer 0 has attention biases"),
+    (lambda m: llama(embedding_norm=True), "its embedding has a norm or a scale"),  # BLOOM
+    (lambda m: llama(norm_offset=1.0), "its norms are not all RMSNorm (without offset) or all LayerNorm"),  # Gemma
     (lambda m: llama(window=8), "layer 0 has a window"),
-    (lambda m: llama(mlp_kind="geglu"), "layer 0 has no SwiGLU MLP"),
-    (lambda m: llama(pos="none", alibi=True), "layer 0 has no RoPE"),
+    (lambda m: llama(mlp_kind="moe", n_experts=2), "layer 0 has no MLP of SiLU or GELU"),  # gpt-oss
+    (lambda m: llama(pos="none", alibi=True), "layer 0 has a window, ALiBi"),
+    (lambda m: llama(norm_position="sandwich"), "layer 0 norms its sublayers' outputs"),  # Gemma 2, OLMo 2
     (lambda m: m.double(), "the model is torch.float64"),
     (lambda m: m.decode_layout(one_row="mv"), "its one-row products are not the stream kernel's (mv"),
     (lambda m: scrambled(small(**LLAMA)), "its one-row products are not the stream kernel's (nn.Linear"),

@@ -18,8 +18,8 @@ model of the same vocabulary (any ``--ckpt`` kind of path).
 ``--quantize int8`` decodes with weight-only int8 (:mod:`selfattn.quantize`): a quarter of
 float32's bytes per token read, at an accuracy cost that ``selfattn bench int8`` measures.
 ``--compile`` decodes through ``torch.compile`` graphs (:meth:`~selfattn.model.GPT.compile_decode`),
-the speculative forwards and a draft model's included; a Llama-shaped model on the CPU decodes
-through the C++ decode kernel instead (:mod:`selfattn.decode_kernel`), nothing to compile.
+the speculative forwards and a draft model's included; a pre-norm decoder on the CPU (Llama's
+blocks, GPT-2's) decodes through the C++ decode kernel instead (:mod:`selfattn.decode_kernel`), nothing to compile.
 
 Tokens are turned into bytes one at a time and decoded incrementally, so a character whose
 UTF-8 bytes span several tokens is printed whole once its last byte arrives. Past the
@@ -59,7 +59,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantize", choices=["int8"], default=None,
                    help="weight-only int8 (per-channel scales): fewer bytes a token, slightly different numbers")
     p.add_argument("--compile", action="store_true",
-                   help="decode compiled, --speculative's forwards too: a Llama-shaped model on the CPU (SmolLM2) "
+                   help="decode compiled, --speculative's forwards too: a pre-norm decoder on the CPU (SmolLM2, GPT-2) "
                         "through the C++ decode kernel (1.5-1.8x SmolLM2-135M's eager tokens/s on a 2-core CPU), "
                         "others through torch.compile graphs, after compiling for seconds")
 
