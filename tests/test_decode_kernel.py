@@ -101,8 +101,9 @@ def test_a_model_quantised_between_generations_decodes_as_it_is_now():
     assert not torch.equal(ours, steps(llama(3), eager_step(llama(3)), idx, 10, 6)[0])  # control: int8 changed them
 
 
-def test_compile_decode_generates_through_the_kernel_without_a_graph():
-    eager, compiled = llama(4), llama(4).compile_decode()
+@pytest.mark.parametrize("variant", ["gqa", "gpt2"])
+def test_compile_decode_generates_through_the_kernel_without_a_graph(variant):
+    eager, compiled = llama(4, **VARIANTS[variant]), llama(4, **VARIANTS[variant]).compile_decode()
     assert compiled._compiled.kernel is not None
     idx = torch.randint(61, (2, 9), generator=torch.Generator().manual_seed(4))
     before = counters["stats"]["unique_graphs"]
