@@ -1,7 +1,8 @@
 """Speculative decoding is lossless: caches roll back exactly; greedy speculation yields plain
 greedy's tokens for every model variant and drafter (batched, left-padded, with eos); sampled
-speculation draws plain sampling's distribution (a chi-square test against the exact law, which
-accepting every draft fails); the draft length adapts; bad arguments fail at the call."""
+speculation draws plain sampling's distribution with every drafter and cache kind (a chi-square
+test against the exact law, which accepting every draft fails); the draft length adapts; bad
+arguments fail at the call."""
 import copy
 import itertools
 import math
@@ -250,11 +251,17 @@ def test_the_chi_square_critical_value():
     assert abs(chi_square(torch.full((11,), 100.0), torch.ones(11) / 11)[2] - 29.59) < 0.3  # df 10, table 29.59
 
 
-@pytest.fixture(scope="module")
-def tiny():
-    """A tiny model, its exact law of the first NEW tokens after a repetitive prompt, and drafts."""
+# the caches sampling rolls back: the full one, and rolling windows (with sink tokens) that wrap
+# around within the NEW tokens, their rollback slots all a round of k = 2 drafts gives them
+SAMPLED_CACHES = {"full": {}, "window": {"window": 3}, "window-sinks": {"window": 3, "sink_tokens": 1}}
+
+
+@pytest.fixture(scope="module", params=SAMPLED_CACHES)
+def tiny(request):
+    """A tiny model of a cache kind, its exact law of the first NEW tokens after a repetitive
+    prompt, and drafts."""
     torch.manual_seed(0)
-    model = scrambled(small(vocab_size=V, n_embd=16, n_head=2, n_layer=2))
+    model = scrambled(small(vocab_size=V, n_embd=16, n_head=2, n_layer=2, **SAMPLED_CACHES[request.param]))
     prompt = tokens_of(model, torch.tensor([[0]]), 8, temperature=0)[:, 3:]  # (1, 5) its own greedy text, which
     assert len(set(prompt[0].tolist())) < 5  # repeats: prompt lookup drafts for most rows
     seqs = torch.tensor(list(itertools.product(range(V), repeat=NEW)))  # (V^NEW, NEW) every continuation
@@ -263,6 +270,9 @@ def tiny():
     law = probabilities(logits, **SAMPLING).gather(-1, seqs[..., None])[..., 0].prod(dim=-1)  # (V^NEW,)
     drafts = {"lookup": "lookup", "self:1": "self:1",
               "draft": scrambled(small(vocab_size=V, n_embd=16, n_head=2, n_layer=1))}
+    cache = model.new_cache(1, rollback=2)[0]
+    assert isinstance(cache, RollingKVCache) == ("window" in request.param)
+    assert not isinstance(cache, RollingKVCache) or cache.k.shape[2] < prompt.shape[1] + NEW  # its slots wrap
     return model, prompt, law, drafts
 
 
@@ -284,12 +294,13 @@ def test_plain_sampling_passes_the_chi_square_test(tiny):  # the exact law is pl
 @pytest.mark.parametrize("method", METHODS)
 def test_speculative_sampling_draws_plain_samplings_distribution(tiny, method, monkeypatch):
     model, prompt, law, drafts = tiny
-    spec = Speculative(drafts[method], k=2, ngram=1)  # lookup drafts after any repeated token
+    spec = Speculative(drafts[method], k=2, max_k=2, ngram=1)  # lookup drafts after any repeated token
     stat, df, critical = chi_square(sampled_counts(model, prompt, speculative=spec), law)
     print(f"{method}: chi2 {stat:.1f}, df {df}, critical {critical:.1f}, {spec.stats}")
     assert stat < critical and spec.stats.accepted > 0.05 * spec.stats.drafted > 0
     monkeypatch.setattr(speculative, "_verdicts", lambda p, q, sample: torch.ones_like(p, dtype=torch.bool))
-    stat, df, critical = chi_square(sampled_counts(model, prompt, speculative=drafts[method]), law)
+    spec = Speculative(drafts[method], k=2, max_k=2, ngram=1)
+    stat, df, critical = chi_square(sampled_counts(model, prompt, speculative=spec), law)
     print(f"{method}, accepting every draft: chi2 {stat:.1f}")
     assert stat > critical  # negative control
 
