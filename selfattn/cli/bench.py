@@ -5,7 +5,8 @@
 ``selfattn bench calibrate --show`` says what ``auto`` follows on this machine. Each prints its tables
 and targets and writes ``DIR/<suite>.json`` and ``DIR/<suite>.png``; a failed correctness check
 stops the run with exit status 1. ``--quick`` runs small shapes in about a minute. ``all`` runs
-every suite, adding ``triton`` on a CUDA device.
+every suite, adding ``triton`` on a CUDA device; ``decode --speculative`` adds the speculative
+suite to the decode run, so that the roofline's rows and the speculative ones come from one run.
 """
 from __future__ import annotations
 
@@ -57,9 +58,11 @@ def main(args: argparse.Namespace) -> int:
     common.pin_threads(args.threads)
     names = [args.suite] if args.suite != "all" else [n for n in suites.SUITES if n not in suites.NOT_IN_ALL
                                                       and (n not in suites.GPU_ONLY or device.type == "cuda")]
+    if getattr(args, "speculative", False):
+        names.append("speculative")
     for name in names:
         suite = suites.SUITES[name]
-        settings = _settings(name, args)
+        settings = _settings(name, args) if name == args.suite else _defaults(name, args)
         print(f"== selfattn bench {name}" + (" (quick)" if args.quick else ""), flush=True)
         try:
             result = suite.run(settings, device, log=lambda line: print(line, flush=True))
@@ -77,10 +80,14 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
+def _defaults(name: str, args: argparse.Namespace):
+    """The suite's FULL settings, or QUICK with ``--quick``."""
+    return suites.SUITES[name].QUICK if args.quick else suites.SUITES[name].FULL
+
+
 def _settings(name: str, args: argparse.Namespace):
     """The suite's FULL or QUICK settings with the fields its flags set (flags left unset change nothing)."""
-    suite = suites.SUITES[name]
-    base = suite.QUICK if args.quick else suite.FULL
+    base = _defaults(name, args)
     fields = {f.name for f in dataclasses.fields(base)}
     given = {key: value for key, value in vars(args).items() if key in fields and value is not None}
     given = {key: tuple(value) if isinstance(value, list) else value for key, value in given.items()}
@@ -111,6 +118,9 @@ def _attention_flags(p: argparse.ArgumentParser) -> None:
                    help=f"skip an implementation once its predicted time per call exceeds this "
                         f"(default {full.max_call_s:g}, --quick {quick.max_call_s:g})")
     p.add_argument("--no-memory", action="store_true", help="do not measure peak memory")
+    p.add_argument("--speculative", action="store_true",
+                   help="the speculative suite's rows in this run too, with its own settings (`selfattn bench "
+                        "speculative`, --quick's where given), written to speculative.json beside decode.json")
 
 
 def _decode_flags(p: argparse.ArgumentParser) -> None:
@@ -137,6 +147,9 @@ def _decode_flags(p: argparse.ArgumentParser) -> None:
                    help=f"size of the streaming-bandwidth test (default {full.bandwidth_mib}, "
                         f"--quick {quick.bandwidth_mib})")
     p.add_argument("--no-memory", action="store_true", help="do not measure peak memory")
+    p.add_argument("--speculative", action="store_true",
+                   help="the speculative suite's rows in this run too, with its own settings (`selfattn bench "
+                        "speculative`, --quick's where given), written to speculative.json beside decode.json")
 
 
 def _speculative_flags(p: argparse.ArgumentParser) -> None:

@@ -482,3 +482,18 @@ def test_decode_flags_set_the_settings_and_no_ckpt_drops_the_checkpoint():
     assert bench_cli._settings("decode", build_parser(argv).parse_args(argv)).ckpt is None
     argv = ["bench", "decode", "--quick"]  # the quick settings never load a checkpoint
     assert bench_cli._settings("decode", build_parser(argv).parse_args(argv)).ckpt is None
+
+
+def test_decode_with_speculative_runs_both_suites_each_with_its_own_settings(tmp_path, monkeypatch):
+    from selfattn.bench import speculative
+    ran = {}  # suite name -> the settings it ran with
+    for name, suite in (("decode", decode), ("speculative", speculative)):  # runs recorded, reports and plots stubbed
+        monkeypatch.setattr(suite, "run", lambda settings, device, log, name=name: ran.update({name: settings}) or {})
+        monkeypatch.setattr(suite, "report", lambda result: "")
+        monkeypatch.setattr(suite, "plot", lambda result, path: path)
+    argv = ["bench", "decode", "--quick", "--new-tokens", "5", "--threads", "1", "--out", str(tmp_path)]
+    assert cli_main(argv + ["--speculative"]) == 0
+    assert ran["decode"].new_tokens == 5 and ran["speculative"] == speculative.QUICK  # not the decode suite's flags
+    assert {p.name for p in tmp_path.iterdir()} == {"decode.json", "speculative.json"}
+    ran.clear()
+    assert cli_main(argv) == 0 and list(ran) == ["decode"]
