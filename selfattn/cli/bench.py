@@ -118,9 +118,6 @@ def _attention_flags(p: argparse.ArgumentParser) -> None:
                    help=f"skip an implementation once its predicted time per call exceeds this "
                         f"(default {full.max_call_s:g}, --quick {quick.max_call_s:g})")
     p.add_argument("--no-memory", action="store_true", help="do not measure peak memory")
-    p.add_argument("--speculative", action="store_true",
-                   help="the speculative suite's rows in this run too, with its own settings (`selfattn bench "
-                        "speculative`, --quick's where given), written to speculative.json beside decode.json")
 
 
 def _decode_flags(p: argparse.ArgumentParser) -> None:
