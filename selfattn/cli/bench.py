@@ -58,11 +58,10 @@ def main(args: argparse.Namespace) -> int:
     common.pin_threads(args.threads)
     names = [args.suite] if args.suite != "all" else [n for n in suites.SUITES if n not in suites.NOT_IN_ALL
                                                       and (n not in suites.GPU_ONLY or device.type == "cuda")]
-    if getattr(args, "speculative", False):
-        names.append("speculative")
-    for name in names:
+    added = ["speculative"] if getattr(args, "speculative", False) else []  # decode --speculative, its own settings
+    for name in names + added:
         suite = suites.SUITES[name]
-        settings = _settings(name, args) if name == args.suite else _defaults(name, args)
+        settings = _defaults(name, args) if name in added else _settings(name, args)
         print(f"== selfattn bench {name}" + (" (quick)" if args.quick else ""), flush=True)
         try:
             result = suite.run(settings, device, log=lambda line: print(line, flush=True))

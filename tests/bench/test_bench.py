@@ -497,3 +497,14 @@ def test_decode_with_speculative_runs_both_suites_each_with_its_own_settings(tmp
     assert {p.name for p in tmp_path.iterdir()} == {"decode.json", "speculative.json"}
     ran.clear()
     assert cli_main(argv) == 0 and list(ran) == ["decode"]
+
+
+def test_bench_all_gives_every_suite_the_flags_it_takes(tmp_path, monkeypatch):
+    from selfattn import bench as suites
+    ran = {}
+    for name, suite in suites.SUITES.items():
+        monkeypatch.setattr(suite, "run", lambda settings, device, log, name=name: ran.update({name: settings}) or {})
+        monkeypatch.setattr(suite, "report", lambda result: "")
+        monkeypatch.setattr(suite, "plot", lambda result, path: path)
+    assert cli_main(["bench", "all", "--quick", "--reps", "2", "--threads", "1", "--out", str(tmp_path)]) == 0
+    assert ran and all(settings.reps == 2 for settings in ran.values() if hasattr(settings, "reps"))
