@@ -60,7 +60,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="weight-only int8 (per-channel scales): fewer bytes a token, slightly different numbers")
     p.add_argument("--compile", action="store_true",
                    help="decode compiled, --speculative's forwards too: a pre-norm decoder on the CPU (SmolLM2, GPT-2) "
-                        "through the C++ decode kernel (1.5-1.8x SmolLM2-135M's eager tokens/s on a 2-core CPU), "
+                        "through the C++ decode kernel (1.5-2.1x SmolLM2-135M's eager tokens/s on a 2-core CPU), "
                         "others through torch.compile graphs, after compiling for seconds")
 
 
