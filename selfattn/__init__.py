@@ -9,7 +9,7 @@ import sys
 import types
 
 _PUBLIC = {"SelfAttention": "attention", "attention": "attention", "KVCache": "kv_cache", "Mask": "masks",
-           "allowed": "masks", "GPT": "model", "GPTConfig": "model", "check_causal": "audit",
+           "allowed": "masks", "GPT": "model", "GPTConfig": "config", "check_causal": "audit",
            "check_cache": "audit", "explore": "analysis.explore"}  # name -> the module that defines it
 __all__ = ["SelfAttention", "attention", "KVCache", "Mask", "allowed", "GPT", "GPTConfig",
            "check_causal", "check_cache", "explore"]

@@ -1,5 +1,5 @@
 """Timing inside the library, for the choices it measures on the machine it runs on (``auto``'s
-backends, :mod:`selfattn.backends.tuning`; the product forms of :mod:`selfattn.decode_layout`)."""
+backends, :mod:`selfattn.backends.tuning`; the product forms of :mod:`selfattn.generation.layout`)."""
 from __future__ import annotations
 
 import time

@@ -4,7 +4,7 @@ The seed's "stack it with a feed-forward block and residuals and you have a tran
 token embedding (+ learned positions, or RoPE inside attention), ``n_layer`` pre-norm
 blocks ``x + attn(ln_1(x))``, ``x + mlp(ln_2(x))``, a final norm, and an LM head tied
 to the token embedding. With ``bias=True`` and learned positions it is GPT-2, weight for
-weight (see :mod:`selfattn.hf`).
+weight (see :mod:`selfattn.io.hf`).
 
 One decoder for every family. A block is described by data, never by a family's name:
 - norms (:mod:`selfattn.norms`): LayerNorm or RMSNorm, its epsilon, offset and rounding; where
@@ -20,7 +20,7 @@ One decoder for every family. A block is described by data, never by a family's 
   partial rotary;
 - embeddings scaled (``embedding_scale``: Gemma's sqrt(C)), the head tied or not, and final
   logits soft-capped (``logit_softcap``).
-The defaults are GPT-2's shape; the families of :mod:`selfattn.models` set the rest.
+The defaults are GPT-2's shape; the families of :mod:`selfattn.families` set the rest.
 
 Padding. Batches of prompts of different lengths are left-padded and described by an
 ``attention_mask`` ``(B, S)`` (1 = real token) over every position, cached ones included.
@@ -32,139 +32,32 @@ of sequences split across processes (a :class:`~selfattn.distributed.SequenceSha
 tokens get their global positions and every attention layer is ring attention over the whole
 sequence; the loss is the mean over this rank's positions.
 
-Decoding. :meth:`GPT.new_cache` preallocates one :class:`~selfattn.kv_cache.KVCache` per
+Caches. :meth:`GPT.new_cache` preallocates one :class:`~selfattn.kv_cache.KVCache` per
 layer (a :class:`~selfattn.kv_cache.RollingKVCache` of ``window`` slots for each sliding-window
 layer); a forward with ``cache=`` runs only the new tokens and appends their keys and values.
-:meth:`GPT.generate` prefills the prompt once and then feeds one token per step, or with
-``speculative=`` checks several drafted tokens per forward (:mod:`selfattn.speculative`).
+
+The public API beyond ``forward``: :meth:`GPT.hidden` (the stack on checked inputs, any range of
+blocks), :meth:`GPT.logits` (the head) and the checks ``check_idx``, ``check_attention_mask`` and
+``check_cache``. Generation (:mod:`selfattn.generation`: ``generate``, compiled and kernel steps,
+speculative decoding, int8) sits above the model and uses only these.
 """
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from selfattn import _validate, backends, decode_step, norms
+from selfattn import _validate
 from selfattn.attention import SelfAttention
-from selfattn.decode_layout import decode_layout
+from selfattn.config import MLP_KINDS, GPTConfig
 from selfattn.kv_cache import KVCache, RollingKVCache
-from selfattn.norms import Norm
-from selfattn.rope import check_scaling
-from selfattn.sampling import check_sampling, next_token
-from selfattn.speculative import Speculative, resolve
-from selfattn.speculative import decode as speculative_decode
 
 if TYPE_CHECKING:  # the core never imports the distributed layer; a shard is handed in
     from selfattn.distributed import SequenceShard
-
-
-@dataclass
-class GPTConfig:
-    vocab_size: int = 256  # V, tokens 0..V-1
-    block_size: int = 256  # the longest sequence (prompt + cache) the model accepts
-    n_layer: int = 4  # number of transformer blocks
-    n_head: int = 4  # H query heads, head_dim D = n_embd / n_head
-    n_embd: int = 128  # C, the residual stream width
-    n_kv_head: int | None = None  # Hkv key/value heads (GQA; 1 = MQA); None = n_head
-    head_dim: int | None = None  # D set apart from the width (H·D need not be C); None = n_embd / n_head
-    bias: bool = False  # biases in every Linear and LayerNorm (GPT-2: True), but where overridden below
-    qkv_bias: bool | None = None  # biases on the q/k/v projection (Qwen2: True with bias=False); None = bias
-    proj_bias: bool | None = None  # bias on the attention's output projection (Llama's attention_bias); None = bias
-    dropout: float = 0.0  # on embeddings, attention weights and residual branches, training only
-    pos: str = "learned"  # "learned" absolute position embeddings (GPT-2), "rope" (rotary), or "none" (e.g. with alibi)
-    rope_base: float = 10000.0  # RoPE frequency base, used with pos="rope" (transformers' rope_theta)
-    rope_scaling: dict | None = None  # a RoPE context-extension rule (selfattn.rope: linear, llama3, yarn, longrope)
-    rope_dims: int | None = None  # RoPE rotates the first rope_dims channels of each head (partial rotary); None = all
-    window: int | None = None  # sliding-window attention: each token sees its `window` most recent tokens
-    window_layers: list | None = None  # with a window: one bool per layer, True = that layer slides; None = all do
-    window_rope_base: float | None = None  # sliding layers' RoPE base, without rope_scaling (Gemma 3); None = same
-    sink_tokens: int | None = None  # with a window: the first n tokens stay visible to every token (StreamingLLM)
-    alibi: bool = False  # ALiBi distance biases with the paper's slopes (BLOOM, MPT; with pos="none")
-    softcap: float | None = None  # attention scores soft-capped to softcap * tanh(score / softcap) (Gemma 2)
-    sinks: bool = False  # one learned sink logit per head in every softmax's denominator (gpt-oss)
-    attn_scale: float | None = None  # the attention scores' scale; None = head_dim ** -0.5
-    qk_norm: str | None = None  # a norm on q and k before RoPE: "head" (over D: Qwen3, Gemma 3), "projection" (OLMo 2)
-    backend: str = "auto"  # attention backend: "auto", "math", "sdpa", "tiled", "flex", "triton"
-    mlp: bool = True  # False = attention-only transformer: blocks without MLP and ln_2
-    mlp_kind: str = "gelu"  # "gelu" (GPT-2), "swiglu" (Llama), "geglu" (Gemma): down(act(gate(x)) * up(x)); "moe"
-    intermediate_size: int | None = None  # the MLP's hidden width (each expert's); None = 4 * n_embd
-    n_experts: int | None = None  # mlp_kind="moe": the number of experts
-    experts_per_token: int = 2  # mlp_kind="moe": the top k experts each token is routed to
-    expert_clamp: float = 7.0  # mlp_kind="moe": the experts' SwiGLU clamps gate and up to this (gpt-oss)
-    norm: str = "layernorm"  # every norm: "layernorm" (GPT-2) or "rmsnorm" (Llama; in float32, a weight, no bias)
-    layer_norm_eps: float = 1e-5  # the epsilon of every norm, LayerNorm or RMSNorm (GPT-2: 1e-5)
-    norm_offset: float = 0.0  # RMSNorm scales by norm_offset + weight (Gemma: 1.0, the weight stored as w of 1 + w)
-    norm_weight_in_float32: bool = False  # RMSNorm's weight multiplies in float32, then casts (Gemma, OLMo 2)
-    norm_position: str = "pre"  # "pre": x + f(norm(x)), "sandwich": x + norm(f(norm(x))), "post": x + norm(f(x))
-    embedding_norm: bool = False  # a norm right after the token embedding (BLOOM)
-    embedding_scale: float | None = None  # token embeddings multiplied by this, in their dtype (Gemma: sqrt(n_embd))
-    gelu_approximate: str = "tanh"  # GELU in the MLP: "tanh" (GPT-2's "gelu_new") or "none" (exact erf)
-    tie_embeddings: bool = True  # the LM head is the token embedding (GPT-2); False: a (V, C) matrix of its own
-    logit_softcap: float | None = None  # final logits soft-capped to c * tanh(logits / c) (Gemma 2)
-
-    def __post_init__(self):
-        _validate.positive_ints(vocab_size=self.vocab_size, block_size=self.block_size, n_layer=self.n_layer,
-                                n_head=self.n_head, n_embd=self.n_embd)
-        for name, allowed in (("pos", _POSITIONS), ("mlp_kind", tuple(_MLPS)), ("norm", norms.KINDS),
-                              ("gelu_approximate", ("tanh", "none")), ("norm_position", _NORM_POSITIONS),
-                              ("qk_norm", (None, "head", "projection"))):
-            if getattr(self, name) not in allowed:
-                raise ValueError(f"{name} must be one of {', '.join(map(repr, allowed))}, got {getattr(self, name)!r}")
-        _validate.positive_number("layer_norm_eps", self.layer_norm_eps)
-        if self.intermediate_size is not None:
-            _validate.positive_int("intermediate_size", self.intermediate_size)
-        for name in ("qkv_bias", "proj_bias"):
-            if getattr(self, name) is not None:
-                _validate.flag(name, getattr(self, name))
-        for name in ("tie_embeddings", "norm_weight_in_float32", "embedding_norm"):
-            _validate.flag(name, getattr(self, name))
-        for name in ("embedding_scale", "logit_softcap", "attn_scale", "window_rope_base"):
-            if getattr(self, name) is not None:
-                _validate.positive_number(name, getattr(self, name))
-        self.norm_spec()  # raises on a norm_offset of a LayerNorm
-        if self.mlp_kind == "moe":
-            _validate.positive_ints(n_experts=self.n_experts, experts_per_token=self.experts_per_token)
-            if self.experts_per_token > self.n_experts:
-                raise ValueError(f"experts_per_token={self.experts_per_token} exceeds n_experts={self.n_experts}")
-            _validate.positive_number("expert_clamp", self.expert_clamp)
-        if self.window_layers is not None:
-            if self.window is None:
-                raise ValueError("window_layers says which layers slide over the window, but window is None")
-            if not isinstance(self.window_layers, list) or len(self.window_layers) != self.n_layer or \
-                    not all(isinstance(w, bool) for w in self.window_layers):
-                raise ValueError(f"window_layers must be a list of n_layer={self.n_layer} bools, got "
-                                 f"{self.window_layers!r}")
-        if self.rope_dims is not None:
-            _validate.positive_int("rope_dims", self.rope_dims)
-        check_scaling(self.rope_scaling, self.rope_dims or self.head_dim or self.n_embd // self.n_head)
-        if self.alibi and self.sink_tokens:
-            raise ValueError("alibi with sink_tokens is not supported: the rolling cache keeps the sinks next to the "
-                             "window, so their index distance is not their position distance that ALiBi needs")
-        backends.resolve(self.backend)  # raises on an unknown name; head sizes are checked by SelfAttention
-
-    def norm_spec(self) -> Norm:
-        """How every norm of this model is made (:class:`~selfattn.norms.Norm`)."""
-        return Norm(self.norm, self.layer_norm_eps, bias=self.bias, offset=self.norm_offset,
-                    weight_in_float32=self.norm_weight_in_float32)
-
-    def layer_window(self, i: int) -> int | None:
-        """The window layer ``i`` slides over, None when it sees every earlier token."""
-        return self.window if self.window_layers is None or self.window_layers[i] else None
-
-    def layer_rope(self, i: int) -> tuple[float, dict | None]:
-        """RoPE base and scaling rule of layer ``i``."""
-        if self.window_rope_base is not None and self.layer_window(i) is not None:
-            return self.window_rope_base, None
-        return self.rope_base, self.rope_scaling
-
-
-_POSITIONS = ("learned", "rope", "none")
-_NORM_POSITIONS = ("pre", "sandwich", "post")
 
 
 class MLP(nn.Module):
@@ -256,6 +149,7 @@ class MoE(nn.Module):
 
 
 _MLPS = {"gelu": MLP, "swiglu": GatedMLP, "geglu": GatedMLP, "moe": MoE}  # config.mlp_kind -> the feed-forward block
+assert tuple(_MLPS) == MLP_KINDS
 
 
 class Block(nn.Module):
@@ -313,7 +207,6 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.lm_head.weight = self.wte.weight  # tied: one (V, C) matrix embeds and un-embeds
-        self._compiled = None  # a decode_step.CompiledDecode, set by compile_decode
         self._init_weights()
 
     @torch.no_grad()
@@ -352,32 +245,6 @@ class GPT(nn.Module):
         if non_embedding and self.wpe is not None:
             n -= self.wpe.weight.numel()
         return n
-
-    @torch.no_grad()
-    def decode_layout(self, *, one_row: str | None = None, few_rows: str | None = None) -> GPT:
-        """Store and multiply the weights as decoding reads them fastest; returns self.
-
-        Shapes, values and ``state_dict`` are unchanged: every ``nn.Linear`` multiplies one row
-        and a few rows by the product forms measured fastest here for its dtype (``torch.mv``,
-        ``F.linear``, ``W·xᵀ`` or the C++ stream kernel; or the ones named by ``one_row``
-        and ``few_rows``: see :mod:`selfattn.decode_layout`), the matrices stored in the memory
-        order the one-row form reads.
-        Meant for inference: it slows the token-embedding lookups of training.
-        """
-        return decode_layout(self, one_row=one_row, few_rows=few_rows)
-
-    def compile_decode(self) -> GPT:
-        """Let :meth:`generate` run each decoded token through one compiled step
-        (:mod:`selfattn.decode_step`): the embedding, every block and the head in one
-        ``torch.compile`` graph, which serves every later step and generation (for a pre-norm
-        decoder on the CPU, Llama's or GPT-2's, one call of a C++ kernel instead:
-        :mod:`selfattn.decode_kernel`); speculative decoding's drafts and verifications run through
-        compiled graphs of their own. The first generation compiles them (seconds; tens of seconds
-        for a 135M model). The same tokens as eager decoding in float32; in half precision the fused
-        graph rounds less often, so a near-tie may break the other way. A ValueError for a model
-        with a sliding-window layer. Returns the model."""
-        self._compiled = decode_step.CompiledDecode(self)
-        return self
 
     @property
     def max_positions(self) -> int | None:
@@ -419,16 +286,16 @@ class GPT(nn.Module):
         shard: idx (and targets) are this rank's part ``shard.split(...)`` of longer sequences
             (see the module docstring); no attention_mask, cache or prefix_len with it.
         """
-        self._check_idx(idx)
+        self.check_idx(idx)
         B, T = idx.shape
         if shard is not None:
-            self._check_shard(shard, T, attention_mask=attention_mask, cache=cache, prefix_len=prefix_len)
-        past = self._check_cache(cache, B, T if shard is None else shard.length)
-        mask = None if attention_mask is None else self._check_attention_mask(attention_mask, B, past + T, idx.device)
+            self.check_shard(shard, T, attention_mask=attention_mask, cache=cache, prefix_len=prefix_len)
+        past = self.check_cache(cache, B, T if shard is None else shard.length)
+        mask = None if attention_mask is None else self.check_attention_mask(attention_mask, B, past + T, idx.device)
         if mask is not None and self.config.sink_tokens and not bool(mask.all()):
             raise ValueError("sink_tokens are the first positions of the sequence, and left padding would make them "
                              "padding: run padded prompts separately, or pad on the right")
-        logits = self._logits(self._hidden(idx, mask, cache, past, prefix_len, shard))  # (B, T, V)
+        logits = self.logits(self.hidden(idx, mask, cache, past, prefix_len, shard))  # (B, T, V)
         if targets is None:
             return logits, None
         if not isinstance(targets, Tensor) or targets.shape != idx.shape or not _validate.is_integer(targets):
@@ -438,14 +305,17 @@ class GPT(nn.Module):
         loss = F.cross_entropy(logits.flatten(0, 1).to(work), targets.flatten(), ignore_index=-100)  # (B·T, V)
         return logits, loss
 
-    def _hidden(self, idx: Tensor | None, mask: Tensor | None, cache: Sequence[KVCache] | None, past: int,
-                prefix_len: int | Tensor | None = None, shard: SequenceShard | None = None, *, start: int = 0,
-                stop: int | None = None, x: Tensor | None = None) -> Tensor:
-        """The final hidden states ``(B, T, C)`` after ``ln_f``; inputs already validated.
+    def hidden(self, idx: Tensor | None, mask: Tensor | None, cache: Sequence[KVCache] | None, past: int,
+               prefix_len: int | Tensor | None = None, shard: SequenceShard | None = None, *, start: int = 0,
+               stop: int | None = None, x: Tensor | None = None) -> Tensor:
+        """The final hidden states ``(B, T, C)`` after ``ln_f``, what :meth:`forward` runs after its
+        checks: ``idx`` checked by :meth:`check_idx`, ``mask`` ``(B, past + T)`` bool from
+        :meth:`check_attention_mask` or None, ``past`` the cached positions (:meth:`check_cache`).
+        Nothing is checked here: a decode step calls it as it is.
 
-        Speculative decoding runs part of the stack: blocks ``start .. stop - 1`` only, from
-        ``x`` ``(B, T, C)``, the residual stream entering block ``start`` (then ``idx`` is not
-        read), and a stack stopped short of the top returns its residual stream, before ``ln_f``."""
+        A range of the stack: blocks ``start .. stop - 1`` only, from ``x`` ``(B, T, C)``, the
+        residual stream entering block ``start`` (then ``idx`` is not read); a stack stopped short
+        of the top returns its residual stream, before ``ln_f`` (self-speculation's drafts)."""
         T, device = (idx if x is None else x).shape[1], (idx if x is None else x).device
         if shard is not None:
             positions = shard.positions(device)  # (T,) this rank's tokens' places in the whole sequence
@@ -471,96 +341,13 @@ class GPT(nn.Module):
                                rope_angles=angles)
         return self.ln_f(x) if stop == len(self.blocks) else x
 
-    def _logits(self, h: Tensor) -> Tensor:
+    def logits(self, h: Tensor) -> Tensor:
         """The LM head on hidden states ``h`` (..., C): logits (..., V), soft-capped if configured."""
         logits = self.lm_head(h)
         cap = self.config.logit_softcap
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
-    def generate(self, idx: Tensor, max_new_tokens: int, *, temperature: float = 1.0, top_k: int | None = None,
-                 top_p: float | None = None, eos_token: int | None = None, generator: torch.Generator | None = None,
-                 attention_mask: Tensor | None = None,
-                 speculative: str | GPT | Speculative | None = None) -> Iterator[Tensor]:
-        """Continue each prompt of ``idx`` ``(B, T)``: an iterator yielding one ``(B,)`` int64
-        tensor of new tokens per step (streaming), at most ``max_new_tokens`` of them.
-
-        temperature: 0 = greedy; otherwise logits / temperature, then ``top_k``, then
-            ``top_p`` (see :mod:`selfattn.sampling`), drawn with ``generator``.
-        eos_token: a row that produces it is finished and yields ``eos_token`` from then on;
-            the iterator stops early once every row has finished.
-        attention_mask: ``(B, T)`` for left-padded prompts (the last column must be real);
-            each row then generates what its prompt would alone.
-        speculative: lossless speculative decoding (:mod:`selfattn.speculative`): ``"lookup"``
-            (prompt lookup), ``"self:N"`` (the first N blocks draft), a draft GPT of the same
-            vocabulary, or a :class:`~selfattn.speculative.Speculative` (to set the draft length
-            and read its ``stats``). Greedy, the same tokens as without it; sampling, the same
-            distribution; the same stream, one token per row per step.
-
-        Arguments are checked here, before the first step. Decoding runs under
-        ``torch.inference_mode`` in the model's current train/eval mode (call ``model.eval()``
-        first when dropout is on). The prompt plus all but the last new token must fit in
-        ``block_size``, except for sliding-window models without learned positions
-        (:attr:`max_positions` None), which decode through a rolling cache for as long as asked.
-        """
-        self._check_idx(idx)
-        B, T = idx.shape
-        _validate.count("max_new_tokens", max_new_tokens)
-        check_sampling(temperature, top_k, top_p)
-        if eos_token is not None and (not isinstance(eos_token, int) or not 0 <= eos_token < self.config.vocab_size):
-            raise ValueError(f"eos_token must be a token id in [0, {self.config.vocab_size}), got {eos_token!r}")
-        total = T + max_new_tokens - 1  # positions the model sees: the last new token is never fed back
-        if self.max_positions is not None and total > self.max_positions:
-            raise ValueError(f"prompt of {T} tokens + {max_new_tokens} new tokens needs {total} positions, "
-                             f"more than block_size={self.config.block_size}")
-        mask = None
-        if attention_mask is not None:
-            prompt_mask = self._check_attention_mask(attention_mask, B, T, idx.device)
-            if not prompt_mask[:, -1].all():
-                raise ValueError("generate needs left padding: the last prompt position of every row must be "
-                                 "a real token (attention_mask[:, -1] == 1)")
-            if not prompt_mask.all():  # without padding the mask would only cost time
-                mask = torch.ones(B, max(total, T), dtype=torch.bool, device=idx.device)  # (B, S_max)
-                mask[:, :T] = prompt_mask
-        sample = dict(temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
-        if speculative is not None:
-            spec = resolve(speculative, self, max(total, T))
-            return speculative_decode(self, spec, idx, max_new_tokens, mask, eos_token, sample)
-        return self._decode(idx, max_new_tokens, mask, eos_token, sample)
-
-    @torch.inference_mode()
-    def _decode(self, idx: Tensor, max_new_tokens: int, mask: Tensor | None, eos_token: int | None,
-                sample: dict) -> Iterator[Tensor]:
-        """The generation loop over validated arguments; ``mask`` ``(B, S_max)`` or None."""
-        if max_new_tokens == 0:
-            return
-        B, T = idx.shape
-        step_logits = self._next_logits if self._compiled is None else self._compiled.step
-        cache = self._decode_cache(B, T + max_new_tokens - 1)
-        finished = None if eos_token is None else torch.zeros(B, dtype=torch.bool, device=idx.device)  # (B,)
-        logits = self._next_logits(idx, None if mask is None else mask[:, :T], cache, 0)  # (B, V) prefill
-        for step in range(max_new_tokens):
-            tok = next_token(logits, **sample)  # (B,)
-            if finished is not None:
-                tok = tok.masked_fill(finished, eos_token)
-                finished |= tok == eos_token
-            yield tok
-            if step == max_new_tokens - 1 or (finished is not None and bool(finished.all())):
-                return
-            S = T + step + 1  # positions after feeding this token
-            logits = step_logits(tok[:, None], None if mask is None else mask[:, :S], cache, S - 1)  # (B, V)
-
-    def _decode_cache(self, batch_size: int, fills: int, rollback: int = 0) -> list[KVCache | RollingKVCache]:
-        """The caches of a generation whose last step caches ``fills`` positions; a compiled
-        model's get a slot more, which its graphs never fill (see :mod:`selfattn.decode_step`)."""
-        spare = int(self._compiled is not None and self.max_positions is not None and fills < self.max_positions)
-        return self.new_cache(batch_size, fills + spare, rollback=rollback)
-
-    def _next_logits(self, idx: Tensor, mask: Tensor | None, cache: Sequence[KVCache], past: int) -> Tensor:
-        """Logits ``(B, V)`` of the token after ``idx`` ``(B, T)``, whose ``past`` positions are
-        cached: the prefill, and with T = 1 a decode step (what :meth:`compile_decode` compiles)."""
-        return self._logits(self._hidden(idx, mask, cache, past)[:, -1])
-
-    def _check_idx(self, idx) -> None:
+    def check_idx(self, idx) -> None:
         if not isinstance(idx, Tensor):
             raise TypeError(f"idx must be a tensor of token ids, got {type(idx).__name__}")
         if idx.dim() != 2:
@@ -577,7 +364,7 @@ class GPT(nn.Module):
                              f"{idx[bad].unique()[:8].tolist()}")
 
     @staticmethod
-    def _check_shard(shard, T: int, **alone) -> None:
+    def check_shard(shard, T: int, **alone) -> None:
         if not hasattr(shard, "positions") or not hasattr(shard, "attention"):
             raise TypeError(f"shard must be a selfattn.distributed.SequenceShard, got {type(shard).__name__}")
         if T * shard.world != shard.length:
@@ -587,7 +374,7 @@ class GPT(nn.Module):
         if given:
             raise ValueError(f"{', '.join(given)} cannot be combined with shard= (context parallelism)")
 
-    def _check_cache(self, cache, B: int, T: int) -> int:
+    def check_cache(self, cache, B: int, T: int) -> int:
         """Validate ``cache`` against a batch of B rows and T new tokens; return the cached length."""
         past = 0
         if cache is not None:
@@ -611,7 +398,7 @@ class GPT(nn.Module):
         return past
 
     @staticmethod
-    def _check_attention_mask(mask, B: int, S: int, device) -> Tensor:
+    def check_attention_mask(mask, B: int, S: int, device) -> Tensor:
         """The mask as bool ``(B, S)`` on ``device``; S counts cached and new positions."""
         if not isinstance(mask, Tensor):
             raise TypeError(f"attention_mask must be a tensor, got {type(mask).__name__}")

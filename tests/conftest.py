@@ -6,7 +6,7 @@ import torch
 
 # auto follows the rule in tests, never a calibration of the machine they run on (tests of the
 # calibration point this at their own folder); the xdist workers of one run share the folder, so
-# the kernels built there (selfattn.stream_kernel) are built once
+# the kernels built there (selfattn.kernels.stream) are built once
 os.environ["SELFATTN_CACHE_DIR"] = (
     os.path.join(tempfile.gettempdir(), f"selfattn-cache-{os.environ['PYTEST_XDIST_TESTRUNUID']}")
     if os.environ.get("PYTEST_XDIST_TESTRUNUID") else tempfile.mkdtemp(prefix="selfattn-cache-"))

@@ -3,9 +3,11 @@
 Imports flow one way (no cycle between files of the package; models, tokenizers and formats import
 nothing of the loader, training, the tools or the commands above them); only the command package
 parses flags, prints or exits; the dispatcher imports no command it does not run; every
-backend declares the one contract; no run of six identical lines of code stands twice.
+backend declares the one contract; no run of six identical lines of code stands twice; the code
+holds a handful of measured figures at most (the rest are in ``docs/benchmarks.md``).
 """
 import ast
+import re
 import subprocess
 import sys
 from collections import defaultdict
@@ -22,17 +24,19 @@ ROOT = PACKAGE.parent
 CLI = PACKAGE / "cli"
 
 
-def _modules() -> dict[str, Path]:
-    """Dotted module name -> file, for every file of the package."""
+def _modules(package: Path = PACKAGE) -> dict[str, Path]:
+    """Dotted module name -> file, for every file of ``package``."""
     out = {}
-    for path in PACKAGE.rglob("*.py"):
-        parts = path.relative_to(ROOT).with_suffix("").parts
+    for path in package.rglob("*.py"):
+        parts = path.relative_to(package.parent).with_suffix("").parts
         out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
     return out
 
 
-def _imported(path: Path, modules: dict[str, Path]) -> set[str]:
-    """The package's modules that ``path`` imports, at module level or inside functions."""
+def _imported(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """The package's modules that importing ``path`` (the module ``name``) runs, at module level or
+    inside functions: each module it imports, and each package ``__init__`` above that module, which
+    Python runs first (but the importer's own packages, which are running or ran already)."""
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
@@ -40,7 +44,14 @@ def _imported(path: Path, modules: dict[str, Path]) -> set[str]:
         elif isinstance(node, ast.ImportFrom) and node.module:
             for alias in node.names:  # `from a import b`: the module a.b when it is one, else a
                 found.add(f"{node.module}.{alias.name}" if f"{node.module}.{alias.name}" in modules else node.module)
-    return {name for name in found if name in modules}
+    own = {".".join(name.split(".")[:i]) for i in range(1, name.count(".") + 1)}
+    parents = {".".join(m.split(".")[:i]) for m in found for i in range(1, m.count(".") + 1)}
+    return {m for m in found | (parents - own) if m in modules} - {name}
+
+
+def _graph(package: Path = PACKAGE) -> dict[str, set[str]]:
+    modules = _modules(package)
+    return {name: _imported(name, path, modules) for name, path in modules.items()}
 
 
 def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -64,16 +75,36 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 
 def test_no_import_cycle_between_files_of_the_package():
-    modules = _modules()
-    graph = {name: _imported(path, modules) - {name} for name, path in modules.items()}
+    graph = _graph()
     assert _cycle(graph) is None, " -> ".join(_cycle(graph))
+
+
+def _tree(root: Path, files: dict[str, str]) -> Path:
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    return root / "pkg"
+
+
+def test_the_cycle_finder_counts_the_packages_an_import_runs(tmp_path):  # the old tree's cycle, a negative control
+    # the kernel imported a helper of the backends' package, whose __init__ imports sdpa, which imports the kernel
+    old = _tree(tmp_path / "old", {"pkg/__init__.py": "", "pkg/backends/_common.py": "",
+                                   "pkg/stream_kernel.py": "from pkg.backends import _common\n",
+                                   "pkg/backends/__init__.py": "from pkg.backends import sdpa\n",
+                                   "pkg/backends/sdpa.py": "from pkg import stream_kernel\n"})
+    assert _cycle(_graph(old)) == ["pkg.backends", "pkg.backends.sdpa", "pkg.stream_kernel", "pkg.backends"]
+    new = _tree(tmp_path / "new", {"pkg/__init__.py": "", "pkg/kernels/__init__.py": "", "pkg/kernels/features.py": "",
+                                   "pkg/kernels/stream.py": "from pkg.kernels import features\n",
+                                   "pkg/backends/__init__.py": "from pkg.backends import sdpa\n",
+                                   "pkg/backends/sdpa.py": "from pkg.kernels import stream\n"})
+    assert _cycle(_graph(new)) is None
 
 
 # rooms below the loader (what they may not import): model files, tokenizers and formats know
 # nothing of the loader, training, the tools or the commands above them
-BELOW_THE_LOADER = ("selfattn.models", "selfattn.tokenizers", "selfattn.formats")
-ABOVE = ("selfattn.loading", "selfattn.export", "selfattn.training", "selfattn.audit", "selfattn.analysis",
-         "selfattn.bench", "selfattn.cli", "selfattn.hf")
+BELOW_THE_LOADER = ("selfattn.families", "selfattn.tokenizers", "selfattn.io.formats")
+ABOVE = ("selfattn.io.loading", "selfattn.io.export", "selfattn.training", "selfattn.audit", "selfattn.analysis",
+         "benchmarks", "selfattn.cli", "selfattn.io.hf")
 
 
 def _upward_imports(graph: dict[str, set[str]]) -> list[str]:
@@ -84,16 +115,58 @@ def _upward_imports(graph: dict[str, set[str]]) -> list[str]:
 
 
 def test_tokenizers_formats_and_models_import_nothing_above_them():
-    modules = _modules()
-    graph = {name: _imported(path, modules) - {name} for name, path in modules.items()}
-    assert {"selfattn.tokenizers", "selfattn.formats", "selfattn.models"} <= set(graph)
+    graph = _graph()
+    assert {"selfattn.tokenizers", "selfattn.io.formats", "selfattn.families"} <= set(graph)
     assert not _upward_imports(graph), "\n".join(_upward_imports(graph))
     assert not [m for m in graph if m.startswith("selfattn.training.") and "token" in m]  # tokenizers left training
 
 
+# the rooms at or below the model (what they may not import): the attention core, the kernels, the backends,
+# the config and the model know nothing of generation, loading, families, training, the tools or the commands
+AT_OR_BELOW_THE_MODEL = ("selfattn.attention", "selfattn.masks", "selfattn.scores", "selfattn.rope", "selfattn.norms",
+                         "selfattn.kv_cache", "selfattn.kernels", "selfattn.backends", "selfattn.config",
+                         "selfattn.model")
+ABOVE_THE_MODEL = ("selfattn.generation", "selfattn.io", "selfattn.families", "selfattn.tokenizers",
+                   "selfattn.training", "selfattn.audit", "selfattn.analysis", "selfattn.cli")
+
+
+def _imports_of(graph: dict[str, set[str]], rooms: tuple[str, ...], forbidden: tuple[str, ...]) -> list[str]:
+    """``a -> b`` for every module a of ``rooms`` importing a module b of ``forbidden``."""
+    def inside(m: str, names: tuple[str, ...]) -> bool:
+        return any(m == r or m.startswith(r + ".") for r in names)
+    return [f"{a} -> {b}" for a in sorted(graph) if inside(a, rooms) for b in sorted(graph[a]) if inside(b, forbidden)]
+
+
+def test_nothing_at_or_below_the_model_imports_what_sits_above_it():
+    graph = _graph()
+    assert not _imports_of(graph, AT_OR_BELOW_THE_MODEL, ABOVE_THE_MODEL)
+    assert not _imports_of(graph, ("selfattn.kernels",), ("selfattn.backends", "selfattn.attention", "selfattn.model"))
+    assert _imports_of({"selfattn.model": {"selfattn.generation.steps"}}, AT_OR_BELOW_THE_MODEL,
+                       ABOVE_THE_MODEL) == ["selfattn.model -> selfattn.generation.steps"]  # negative control
+
+
+def _private_uses(paths: list[Path], private: set[str]) -> list[str]:
+    """``file:line .name`` for every attribute of ``private`` that the files read."""
+    return [f"{p.relative_to(ROOT)}:{node.lineno} .{node.attr}" for p in paths
+            for node in ast.walk(ast.parse(p.read_text())) if isinstance(node, ast.Attribute) and node.attr in private]
+
+
+def test_generation_uses_only_the_models_public_api():
+    model = ast.parse((PACKAGE / "model.py").read_text())
+    private = {n.name for c in ast.walk(model) if isinstance(c, ast.ClassDef) for n in c.body
+               if isinstance(n, ast.FunctionDef) and n.name.startswith("_") and not n.name.startswith("__")}
+    private |= {t.attr for n in ast.walk(model) if isinstance(n, ast.Assign) for t in n.targets
+                if isinstance(t, ast.Attribute) and t.attr.startswith("_")}
+    assert "_init_weights" in private
+    generation = sorted((PACKAGE / "generation").glob("*.py"))
+    assert not _private_uses(generation, private)
+    assert _private_uses([PACKAGE / "model.py"], private)  # negative control: the model itself uses them
+
+
 def test_the_upward_import_finder_finds_one():  # negative control
-    graph = {"selfattn.formats.gguf": {"selfattn.training.checkpoint"}, "selfattn.loading": {"selfattn.formats"}}
-    assert _upward_imports(graph) == ["selfattn.formats.gguf -> selfattn.training.checkpoint"]
+    graph = {"selfattn.io.formats.gguf": {"selfattn.training.checkpoint"},
+             "selfattn.io.loading": {"selfattn.io.formats"}}
+    assert _upward_imports(graph) == ["selfattn.io.formats.gguf -> selfattn.training.checkpoint"]
 
 
 def test_the_cycle_finder_finds_a_cycle():  # negative control
@@ -120,6 +193,30 @@ def test_only_the_command_package_parses_flags_prints_or_exits():
                 if name in ("print", "exit", "quit", "sys.exit", "os._exit"):
                     offences.append(f"{path.relative_to(ROOT)}:{node.lineno} calls {name}")
     assert not offences, "\n".join(offences)
+
+
+PROBES_RAISE = """
+import importlib, pkgutil, sys, torch
+def probe(*args):
+    raise AssertionError("a CPU probe ran at import")
+for name in [n for n in dir(torch.cpu) if n.startswith("_is_")]:
+    setattr(torch.cpu, name, probe)
+torch.backends.cpu.get_cpu_capability = probe
+import selfattn
+names = [m.name for m in pkgutil.walk_packages(selfattn.__path__, "selfattn.") if not m.name.endswith("__main__")]
+for name in names:
+    importlib.import_module(name)
+print(len(names))
+"""
+
+
+def test_no_import_of_the_package_runs_a_cpu_probe():
+    done = subprocess.run([sys.executable, "-c", PROBES_RAISE], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert int(done.stdout) > 80  # every module was imported
+    late = PROBES_RAISE.replace("print(len(names))", "from selfattn.kernels import features\nfeatures.best()")
+    assert "a CPU probe ran" in subprocess.run([sys.executable, "-c", late], capture_output=True, text=True,
+                                               cwd=ROOT, timeout=300).stderr  # negative control: asked, it probes
 
 
 def test_the_dispatcher_imports_only_the_chosen_command():
@@ -179,3 +276,32 @@ def test_the_repetition_finder_finds_a_repetition(tmp_path):  # negative control
     (tmp_path / "b.py").write_text("y = 0\n# a comment\n" + body.replace("x0", "\n\nx0"))
     assert len(_repeated_runs([tmp_path / "a.py", tmp_path / "b.py"], CODE_LINES)) == 1
     assert not _repeated_runs([tmp_path / "a.py", tmp_path / "b.py"], CODE_LINES + 1)
+
+
+# a measured figure: a time, a bandwidth, a rate (12.5 ms, 30 us, 28.9 GB/s, 53.5 tok/s) or a speed-up ratio
+# (1.09x, 3.4×); not a constant, a size or a formula (FEW = 16, 64 K entries, 0.5 x (1 + tanh(u)))
+MEASURED = re.compile(r"\b\d+(?:\.\d+)?\s?(?:ms|us|µs|GB/s|GFLOP/s|tok/s|tokens/s)(?![\w/])|\b\d+\.\d+(?:x|\s?×)(?!\w)")
+FIGURES = 5  # the most the package may hold: the code keeps its rule, the figures go to docs/benchmarks.md
+
+
+def _measured_figures(paths: list[Path]) -> list[str]:
+    """``file:line text`` for each line of ``paths`` that holds a measured figure (:data:`MEASURED`)."""
+    return [f"{path}:{number} {line.strip()}" for path in paths
+            for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1) if MEASURED.search(line)]
+
+
+def test_the_package_holds_a_handful_of_measured_figures_at_most():
+    paths = sorted(path for suffix in ("py", "cpp", "h") for path in PACKAGE.rglob(f"*.{suffix}"))
+    found = _measured_figures(paths)
+    assert len(found) <= FIGURES, (f"{len(found)} lines of the package hold measured figures (at most {FIGURES}); "
+                                   "keep the rule and its threshold in the code and move the figures to "
+                                   "docs/benchmarks.md, \"Measurements the code cites\":\n" + "\n".join(found))
+
+
+def test_the_figure_finder_finds_timings_and_ratios(tmp_path):  # negative control
+    path = tmp_path / "kernel.py"
+    path.write_text("FEW = 16  # rows; 64 K entries a task, 0.5 x (1 + tanh(u))\n"
+                    "# a step took 12.5 ms, 1.3x faster\n"
+                    "# 28.9 GB/s, 3.4× the time of 30 us\n")
+    assert _measured_figures([path]) == [f"{path}:2 # a step took 12.5 ms, 1.3x faster",
+                                         f"{path}:3 # 28.9 GB/s, 3.4× the time of 30 us"]

@@ -7,7 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from selfattn import SelfAttention
-from selfattn.model import GPT, GPTConfig
+from selfattn.config import GPTConfig
+from selfattn.model import GPT
 from selfattn.norms import RMSNorm
 
 from helpers.models import PAIRS, VARIANTS, assert_same_logits, left_pad, scrambled, small

@@ -7,6 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from selfattn.generation import generate
+from selfattn.generation.compiled import compiled_of
+from selfattn.generation.steps import set_compiled
+
 ROOT = Path(__file__).parents[1]
 README = (ROOT / "README.md").read_text()
 PAGES = {path: path.read_text() for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]}
@@ -56,11 +60,11 @@ def test_the_gpt_examples(capsys):
 
 def test_the_compiled_decoding_example():
     scope = {"torch": torch}
-    exec(_block("from selfattn import GPT, GPTConfig\nmodel = GPT("), scope)
+    exec(_block("from selfattn import GPT, GPTConfig\nfrom selfattn.generation import compile_decode"), scope)
     model, out = scope["model"], scope["out"]
-    assert out.shape == (1, 20) and model._compiled is not None
-    model._compiled = None  # the same model, eager: the same tokens
-    assert torch.equal(torch.stack(list(model.generate(scope["idx"], 20, temperature=0)), dim=1), out)
+    assert out.shape == (1, 20) and compiled_of(model) is not None
+    set_compiled(model, None)  # the same model, eager: the same tokens
+    assert torch.equal(torch.stack(list(generate(model, scope["idx"], 20, temperature=0)), dim=1), out)
 
 
 def test_the_readme_opens_with_its_two_set_up_commands_and_stays_an_overview():
@@ -107,7 +111,7 @@ def test_every_relative_link_and_image_resolves(page):
 def test_the_link_check_catches_a_broken_path_and_a_broken_anchor():  # negative controls
     assert _links("see [a](docs/nope.md) and ![b](x.png), not `[c](d)` in\n```\n[e](f)\n```") == [
         "docs/nope.md", "x.png"]
-    assert _slug("Masks (`selfattn bench masks`)") == "masks-selfattn-bench-masks"
+    assert _slug("Masks (`python -m benchmarks masks`)") == "masks-python--m-benchmarks-masks"
     readme = ROOT / "README.md"
     assert _broken(readme, "[ok](docs/gpt.md#train-and-sample) [gone](docs/gone.md) ![img](tiny_loss.png) "
                            "[anchor](docs/gpt.md#no-such-heading) [web](https://example.org)") == [

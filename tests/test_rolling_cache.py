@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from selfattn import GPTConfig
+from selfattn.generation import generate
 from selfattn.kv_cache import RollingKVCache
 
 from helpers.models import assert_same_logits, left_pad, scrambled
@@ -47,7 +48,7 @@ def test_a_chunk_longer_than_the_window_and_left_padding():
 def test_generate_runs_past_block_size_with_rope_and_a_window_and_refuses_with_learned_positions():
     model = _model(window=4).eval()
     idx = torch.randint(0, 53, (1, 10))
-    tokens = torch.cat(list(model.generate(idx, 40, temperature=0.0)))  # 49 positions > block_size 16
+    tokens = torch.cat(list(generate(model, idx, 40, temperature=0.0)))  # 49 positions > block_size 16
     assert len(tokens) == 40 and model.max_positions is None
     seq = torch.cat([idx[0], tokens[:-1]])[None]  # the whole sequence, read at once, agrees token for token
     greedy = model(seq)[0][0, 9:].argmax(-1)
@@ -55,7 +56,7 @@ def test_generate_runs_past_block_size_with_rope_and_a_window_and_refuses_with_l
     learned = _model(window=4, pos="learned").eval()
     assert learned.max_positions == 16
     with pytest.raises(ValueError, match="more than block_size=16"):
-        list(learned.generate(idx, 40))
+        list(generate(learned, idx, 40))
 
 
 def test_rolling_cache_checks_its_arguments():

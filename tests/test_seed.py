@@ -5,9 +5,9 @@ import sys
 import pytest
 import torch
 
+from benchmarks.peers import SeedSelfAttention
 from selfattn import SelfAttention
 from selfattn.analysis.worked_example import worked_example as demo_text
-from selfattn.bench.peers import SeedSelfAttention
 
 
 @pytest.mark.parametrize("module", [SelfAttention, SeedSelfAttention])

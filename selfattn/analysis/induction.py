@@ -39,9 +39,11 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from selfattn import _files, _plot
+from selfattn._fields import described
 from selfattn._validate import positive_ints
 from selfattn.analysis.heads import attention_maps, head_scores, plot_attention_grid, repeated_tokens
-from selfattn.model import GPT, GPTConfig
+from selfattn.config import GPTConfig
+from selfattn.model import GPT
 
 PROBE_ROWS = 64  # probe sequences for the two half losses
 MAP_ROWS = 16  # of which the first ones are used for head scores (attention maps are kept for row 0)
@@ -50,17 +52,17 @@ LEARNED = 1.0  # nats: a repeated half below this counts as "learned" in the rep
 
 @dataclass
 class InductionConfig:
-    n_head: int = 4  # heads per layer of the multi-head run; the comparison run has 1 head of the same width
-    n_embd: int = 64  # C, the residual width; head_dim = C / n_head
-    vocab_size: int = 64  # V, random tokens 0..V-1
-    pos: str = "rope"  # "rope" (rotary) or "learned" (absolute: induction then forms for some seeds only)
-    seq_len: int = 32  # T, tokens per sequence (even); the probe is T/2 tokens twice
-    min_repeat: int = 8  # shortest repeated segment L; L is uniform in [min_repeat, T/2]
-    steps: int = 1500  # optimizer steps per run
-    batch_size: int = 64  # sequences per step
-    lr: float = 1e-3  # AdamW learning rate (after a linear warm-up over the first 100 steps)
-    eval_every: int = 100  # steps between probe evaluations (the training curve)
-    seed: int = 0  # seeds the weights, the training data and the probe
+    n_head: int = described(4, 'heads per layer of the multi-head run; the comparison run has 1 head of the same width')
+    n_embd: int = described(64, 'C, the residual width; head_dim = C / n_head')
+    vocab_size: int = described(64, 'V, random tokens 0..V-1')
+    pos: str = described("rope", '"rope" (rotary) or "learned" (absolute: induction then forms for some seeds only)')
+    seq_len: int = described(32, 'T, tokens per sequence (even); the probe is T/2 tokens twice')
+    min_repeat: int = described(8, 'shortest repeated segment L; L is uniform in [min_repeat, T/2]')
+    steps: int = described(1500, 'optimizer steps per run')
+    batch_size: int = described(64, 'sequences per step')
+    lr: float = described(1e-3, 'AdamW learning rate (after a linear warm-up over the first 100 steps)')
+    eval_every: int = described(100, 'steps between probe evaluations (the training curve)')
+    seed: int = described(0, 'seeds the weights, the training data and the probe')
 
     def __post_init__(self):
         positive_ints(**{name: getattr(self, name) for name in ("n_head", "n_embd", "vocab_size", "seq_len",

@@ -21,8 +21,9 @@ from selfattn._validate import one_line
 from selfattn.attention import SelfAttention
 from selfattn.audit.cache import CacheReport, check_cache
 from selfattn.audit.causality import CausalityReport, check_causal, input_embedding_name
+from selfattn.config import GPTConfig
 from selfattn.masks import Mask
-from selfattn.model import GPT, GPTConfig
+from selfattn.model import GPT
 
 
 def dilated(b, h, q_idx, kv_idx):

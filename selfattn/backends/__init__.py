@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from selfattn.backends import auto
-from selfattn.backends._common import assume_native_half, multiplies_natively  # noqa: F401  (public here)
+from selfattn.kernels.features import assume_native_half, multiplies_natively  # noqa: F401  (public here)
 from selfattn.masks import Mask
 from selfattn.scores import Scores
 

@@ -1,54 +1,47 @@
 """``backend="auto"``: the backend expected to be fastest for a request, never one that refuses it.
 
-The rule, and the measurements behind it (``selfattn bench masks`` and timings of the same
-kind, on a 2-core AMD EPYC with AVX2, float32, B=1, H=8, D=64, medians of interleaved runs;
-the masks tables are in ``docs/benchmarks.md``, an AVX2 run in ``docs/bench/masks-avx2.md``):
+The rule, from ``python -m benchmarks masks`` and timings of the same kind on a 2-core AMD EPYC
+with AVX2 (float32, B=1, H=8, D=64, medians of interleaved runs). The timings behind each rule are
+in ``docs/benchmarks.md``, "Measurements the code cites"; the masks tables are in the same file, an
+AVX2 run in ``docs/bench/masks-avx2.md``:
 
 1. Weights asked for: ``math``, the only backend that returns them.
 2. Plain causal or unmasked attention (a window as long as the sequence included): ``sdpa``.
-   PyTorch's fused kernel with ``is_causal`` was the fastest at T = 4096: 150 ms forward
-   against tiled's 203 and FlexAttention's 216; 523 ms forward+backward against tiled's 667.
-   So is one query without a gradient that sees every key (a decoded token), taken without
-   the lookup of the measurements (about 11 us a layer, a third of the attention it picks):
-   SDPA without a mask, one query over 512 cached keys of SmolLM2's heads, took 33 us
-   against 41 for the math backend's products (bfloat16: 23 against 88). On the CPU the sdpa
-   backend hands such a token to the one-query kernel of :mod:`selfattn.stream_kernel` (19.6 us
-   there in float32, 22.2 in bfloat16, on the EPYC the sdpa backend's docstring names).
+   PyTorch's fused kernel with ``is_causal`` was the fastest at T = 4096, forward and
+   forward+backward, ahead of tiled and FlexAttention. So is one query without a gradient that
+   sees every key (a decoded token), taken without the lookup of the measurements (which cost a
+   large share of the attention it picks): SDPA without a mask beat the math backend's products over
+   512 cached keys of SmolLM2's heads. On the CPU the sdpa backend hands such a token to the
+   one-query kernel of :mod:`selfattn.kernels.stream`, faster still.
 3. A small request, T·S <= ``SMALL`` (a decoding step over a cache, a short sequence):
-   ``sdpa`` with the dense mask. At T = S = 256 it took 1.6 ms forward against tiled's 2.7
-   (window 64 and 4 documents); at 512 the two tied; from 1024 on tiled won by 1.6-2.9x. The
-   crossover is in T, not in the batch or heads: at T = 256 SDPA was 1.2-2.4x faster from
-   B·H = 8 to 192 (B=16, H=12), forward and forward+backward; at T = 512 (B·H = 8 and 32)
-   tiled was faster in 6 of 8 cells, SDPA taking 0.81-1.80x its time (medians of 9 interleaved
-   runs, window 64 and 4 documents).
+   ``sdpa`` with the dense mask. At T = S = 256 it beat tiled (window 64 and 4 documents); at
+   512 the two tied; from 1024 on tiled won. The crossover is in T, not in the batch or heads:
+   at T = 256 SDPA was faster from B·H = 8 to 192 (B=16, H=12), forward and forward+backward;
+   at T = 512 (B·H = 8 and 32) tiled was faster in 6 of 8 cells (window 64 and 4 documents).
 4. Windows, padding, documents: the tiles the mask leaves visible decide (the block map's
    density at the tiled backend's tile size). Tiled costs about 1.2x SDPA per computed pair
-   (plain causal at T = 4096: 203 ms for the 53% of tiles it computes, against 320 ms for SDPA
-   with a dense mask computing them all), so above a density of ``DENSE`` = 0.8 the dense
-   mask wins; below it, the backends that skip hidden tiles:
+   (plain causal at T = 4096, where it computes 53% of the tiles and SDPA with a dense mask all of
+   them), so above a density of ``DENSE`` = 0.8 the dense mask wins; below it, the backends that
+   skip hidden tiles:
    - forward only (no gradient, no dropout), compiling allowed, and a mask where compiled
-     FlexAttention was faster than tiled: documents (1.1-1.3x at T = 4096 and 16384), a
-     ``mask_mod`` (flex compiles it; tiled calls it on every partial tile) and windows of at
-     most ``FLEX_WINDOW`` = 256 keys (1.14-1.22x; at windows of 512, 1024 and 2048 tiled was
-     1.15-1.2x faster): ``flex``. Left padding is tiled's since it skips padded tiles per
-     batch row: 50% padding forward, 93 ms against flex's 118 at T = 4096, 1316 against 1781
-     at 16384;
-   - otherwise ``tiled`` (forward+backward: 6-21x faster than SDPA with a dense mask).
+     FlexAttention was faster than tiled: documents (at T = 4096 and 16384), a ``mask_mod``
+     (flex compiles it; tiled calls it on every partial tile) and windows of at most
+     ``FLEX_WINDOW`` = 256 keys (at windows of 512, 1024 and 2048 tiled was faster): ``flex``.
+     Left padding is tiled's since it skips padded tiles per batch row (faster than flex at 50%
+     padding, T = 4096 and 16384);
+   - otherwise ``tiled`` (forward+backward: many times faster than SDPA with a dense mask).
 5. Scores changed before the softmax (ALiBi, soft-capping, a ``score_mod``) or learned sinks:
    the same choice of mask as rule 4 (``flex`` forward on documents, a mask_mod or a short
-   window; causal ALiBi at T = 4096 took tiled 402 ms against flex's 522), else ``tiled``
-   (which serves every rule), ``sdpa`` only for what is a dense additive bias, ``math`` last.
-   Soft-capping's forward went both ways on two machines of this kind (T = 4096: tiled 368 ms
-   against flex's 501; flex 363 against tiled's 413) until tiled computed the cap with a sigmoid
-   instead of tanh: then tiled 417 ms against flex's 573 (``selfattn bench masks --cells
-   softcap:4096 causal:4096 --impls auto tiled flex flex-compiled sdpa``).
+   window; tiled beat flex on causal ALiBi at T = 4096), else ``tiled`` (which serves every
+   rule), ``sdpa`` only for what is a dense additive bias, ``math`` last. Soft-capping's forward
+   went both ways on two machines of this kind until tiled computed the cap with a sigmoid
+   instead of tanh; then tiled won (``python -m benchmarks masks --cells softcap:4096
+   causal:4096 --impls auto tiled flex flex-compiled sdpa``).
 6. Half precision with a gradient on a CPU without native half matmuls (AVX2): ``tiled``
    whatever the mask. Its tiles are multiplied in float32 there, while PyTorch's bfloat16 SDPA
-   backward is slow: plain causal at T = 4096 took 4103 ms forward+backward against tiled's
-   1104 (SDPA with a dense mask: 7.4-8.6 s, every masked cell), though SDPA's bfloat16 forward
-   still won (164 ms against 237), so forward passes follow rules 2-4. Short sequences too:
-   timed alone (medians of 7, fwd+bwd), SDPA took 29 ms against tiled's 15 at T = 256 and 8.3
-   against 4.4 at T = 128.
+   backward is slow (several times tiled's forward+backward at T = 4096, plain causal and
+   every masked cell), though SDPA's bfloat16 forward still won, so forward passes follow rules
+   2-4. Short sequences too: timed alone, tiled's forward+backward won at T = 128 and 256.
 7. On a CUDA device (not measured by this project yet): plain causal ``sdpa``; other masks and
    score rules ``flex`` when compiling is allowed, else ``triton`` when it is installed and
    serves the request, else ``tiled``.
@@ -58,9 +51,9 @@ calibrate``, or ``SELFATTN_AUTO_TUNE=1``; :mod:`selfattn.backends.tuning`), the 
 fastest comes first and the rule above orders the rest; requests nothing measured covers follow the
 rule alone, and so do requests traced by ``torch.compile`` (a compiled decode step's graph holds
 one backend for every size it serves). Each candidate is asked (``unsupported``) before it is
-chosen; the next one serves when it refuses. Compiling backends (``flex``: 0.1-9 s for every new
-shape on that CPU) can be kept out of ``auto`` with :func:`allow_compile` or the environment
-variable ``SELFATTN_AUTO_COMPILE=0``.
+chosen; the next one serves when it refuses. Compiling backends (``flex``: up to seconds for
+every new shape on that CPU) can be kept out of ``auto`` with :func:`allow_compile` or the
+environment variable ``SELFATTN_AUTO_COMPILE=0``.
 """
 from __future__ import annotations
 
@@ -71,7 +64,7 @@ import torch
 from torch import Tensor
 
 from selfattn.backends import tiled, tuning
-from selfattn.backends._common import multiplies_natively
+from selfattn.kernels.features import multiplies_natively
 from selfattn.masks import Mask
 from selfattn.scores import Scores
 
@@ -96,10 +89,10 @@ def candidates(q: Tensor | None, k: Tensor | None, v: Tensor | None, mask: Mask 
                return_weights: bool, scores: Scores | None = None) -> Iterator[str]:
     """The backends for this request, best first (see the module docstring): this machine's
     measured fastest, if any, then the rule's, which is worked out only if the caller asks for
-    more (0.1-0.25 ms at T = 4096 for windows, padding and documents, against 11 us for
-    the lookup). The caller takes the first
-    that is installed and does not refuse. q, k, v and mask arrive validated (or None: no request,
-    just the name)."""
+    more (for windows, padding and documents it costs many times the lookup:
+    ``docs/benchmarks.md``, "Measurements the code cites"). The caller takes the first that is
+    installed and does not refuse. q, k, v and mask arrive validated (or None: no request, just
+    the name)."""
     if _decoded_token(q, k, v, mask, return_weights, scores):
         yield "sdpa"  # rule 2, not looked up
         return

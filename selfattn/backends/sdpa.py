@@ -9,24 +9,20 @@ expressible to SDPA and are refused.
 
 On the CPU a decoded token (one query that sees every key) and a few plain causal queries at the end
 of the keys (a speculative verification, :data:`FEW_QUERIES` at most), without a gradient or dropout,
-attend in :func:`selfattn.stream_kernel.attend` where that kernel builds for AVX2 or AVX-512
-(:func:`selfattn.stream_kernel.attends`): the cache streamed once, summed in float32, whatever
-the dtype it is stored in. On a 2-core AMD EPYC (AVX-512, AVX512-BF16), one query of SmolLM2's
-heads (9 over 3 kv heads of 64), 2 threads, 30 layers' caches in turn, medians of 7, us a layer:
-over 512 keys float32 35 against SDPA's 48, bfloat16 25 against 278; with the caches evicted between
-passes (as a step's weights do) float32 57 against 61, bfloat16 42 against 287; over 2048 keys
-(from memory) 197 against 247 and 123 against 1109. A compiled SmolLM2 step after a prompt of 512,
-the same weights, two graphs interleaved (on a slower stretch of the VM than the decode tables'):
-float32 19.8-20.1 ms against 20.3-21.2 with SDPA, bfloat16 10.7-12.0 against 12.8-13.8.
+attend in :func:`selfattn.kernels.stream.attend` where that kernel builds for AVX2 or AVX-512
+(:func:`selfattn.kernels.stream.attends`): the cache streamed once, summed in float32, whatever
+the dtype it is stored in. On SmolLM2's heads it beat SDPA in float32 and by far in bfloat16,
+the cache in the CPU's caches or evicted from them, and a compiled SmolLM2 step that took it beat
+one that took SDPA (``docs/benchmarks.md``, "Measurements the code cites").
 
 Where it does not serve, a half-precision decoded token runs in float32 where that is faster, as
-this process measures once per dtype, heads and power of 2 of keys (:func:`one_query_in_float32`).
-On the same EPYC, one bfloat16 query of SmolLM2's heads (medians of 200): over 16 keys 27 us in
-bfloat16 against 33 in float32 with the casts, over 128 108 against 60, over 512 399 against 121,
-over 2048 1614 against 1878; an AMX Xeon attended 512 keys in 23 us in bfloat16. The float32
-result, rounded to the dtype, is the closer one to the exact attention. A compiled decode step
-serves every number of keys with one graph, so it takes one choice, measured before it compiles
-over :data:`COMPILED_KEYS` keys (:func:`decide_compiled`, which :mod:`selfattn.decode_step` calls).
+this process measures once per dtype, heads and power of 2 of keys (:func:`one_query_in_float32`):
+on an EPYC without AMX one bfloat16 query of SmolLM2's heads over 128 and 512 keys attended faster
+in float32 with the casts, over 16 and 2048 keys not, and an AMX Xeon's bfloat16 was fast (the
+same section). The float32 result, rounded to the dtype, is the closer one to the exact attention.
+A compiled decode step serves every number of keys with one graph, so it takes one choice,
+measured before it compiles over :data:`COMPILED_KEYS` keys (:func:`decide_compiled`, which
+:mod:`selfattn.generation.compiled` calls).
 """
 from __future__ import annotations
 
@@ -36,8 +32,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from selfattn import _timing, stream_kernel
+from selfattn import _timing
 from selfattn.backends._common import dense_mask, half
+from selfattn.kernels import stream
 from selfattn.masks import Mask
 from selfattn.scores import Scores
 
@@ -61,7 +58,7 @@ def run(q: Tensor, k: Tensor, v: Tensor, mask: Mask, *, scale: float, dropout_p:
     T, S = q.shape[2], k.shape[2]
     alibi = scores is not None and scores.alibi_slopes is not None
     if not alibi and _streams(q, k, v, mask, dropout_p):
-        return stream_kernel.attend(q, k, v, scale)
+        return stream.attend(q, k, v, scale)
     is_causal = False  # an `if`, not the condition itself: traced by torch.compile, T == S is a symbolic
     if mask.plain_causal and T > 1 and T == S and not alibi:  # bool, which SDPA's is_causal does not take
         is_causal = True
@@ -79,17 +76,17 @@ def run(q: Tensor, k: Tensor, v: Tensor, mask: Mask, *, scale: float, dropout_p:
 
 
 def _streams(q: Tensor, k: Tensor, v: Tensor, mask: Mask, dropout_p: float) -> bool:
-    """Whether a request attends in :func:`selfattn.stream_kernel.attend`: a decoded token (one query
+    """Whether a request attends in :func:`selfattn.kernels.stream.attend`: a decoded token (one query
     that sees every key) or up to :data:`FEW_QUERIES` plain causal queries at the end of the keys (a
     speculative verification, a short prompt), on the CPU, in dtypes it reads, without dropout or a
-    gradient, where the kernel serves (:func:`selfattn.stream_kernel.attends`). A graph traced for a
+    gradient, where the kernel serves (:func:`selfattn.kernels.stream.attends`). A graph traced for a
     dynamic number of queries keeps SDPA for them: it would otherwise split at FEW_QUERIES into two."""
     T, S = q.shape[2], k.shape[2]
     fits = mask.sees_every_key(1, S) if T == 1 else isinstance(T, int) and T <= FEW_QUERIES and mask.plain_causal
     return (fits and q.device.type == "cpu" and dropout_p == 0.0 and k.dtype == v.dtype
-            and q.dtype in stream_kernel.ROW_DTYPES and k.dtype in stream_kernel.ROW_DTYPES
+            and q.dtype in stream.ROW_DTYPES and k.dtype in stream.ROW_DTYPES
             and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))
-            and stream_kernel.attends())
+            and stream.attends())
 
 
 def _sdpa(q: Tensor, k: Tensor, v: Tensor, scale: float, dropout_p: float, *, attn_mask: Tensor | None = None,
@@ -99,8 +96,7 @@ def _sdpa(q: Tensor, k: Tensor, v: Tensor, scale: float, dropout_p: float, *, at
 
 
 # the most queries the kernel takes: its time grows with the queries, SDPA's less; over 512 keys of SmolLM2's
-# heads on the EPYC (2 threads, 30 layers' caches evicted between passes, medians of 7, us a layer) 4 queries took
-# 98 against SDPA's 106 with a mask, 6 143 against 146, 8 176 against 148 (bfloat16 98 against 117, 183 against 156)
+# heads 4 queries beat SDPA with a mask, 6 about tied, 8 lost (docs/benchmarks.md, "Measurements the code cites")
 FEW_QUERIES = 4
 COMPILED_KEYS = 512  # the keys a compiled graph's choice is measured over: a prompt and an answer of some length
 # (dtype, heads, kv_heads, head_dim) -> whether compiled graphs attend a decoded token of these heads in float32
@@ -124,7 +120,7 @@ def decide_compiled(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int
     process for each; nothing to measure off the CPU, in float32, or where the kernel serves."""
     key = (dtype, heads, kv_heads, head_dim)
     cpu = torch.device(device).type == "cpu"
-    if cpu and half(dtype) and key not in COMPILED_IN_FLOAT32 and not stream_kernel.attends():
+    if cpu and half(dtype) and key not in COMPILED_IN_FLOAT32 and not stream.attends():
         COMPILED_IN_FLOAT32[key] = one_query_in_float32(dtype, heads, kv_heads, head_dim, COMPILED_KEYS)
 
 
@@ -133,7 +129,7 @@ def one_query_in_float32(dtype: torch.dtype, heads: int, kv_heads: int, head_dim
                          reps: int = 15) -> bool:
     """Whether this CPU attends one ``dtype`` query of ``heads`` heads over ``keys`` keys of
     ``kv_heads`` faster in float32 (the casts included) than in ``dtype``: SDPA, the median of
-    ``reps`` interleaved calls each after a warm-up (about 10 ms over 512 keys)."""
+    ``reps`` interleaved calls each after a warm-up (milliseconds over 512 keys)."""
     g = torch.Generator().manual_seed(0)  # the global random stream stays the caller's
     q, k, v = (torch.randn(1, h, n, head_dim, dtype=dtype, generator=g)
                for h, n in ((heads, 1), (kv_heads, keys), (kv_heads, keys)))  # (B, H, T, D)

@@ -11,7 +11,7 @@ is masked. The map differs between batch rows under padding or documents, so the
 grouped by their map (:func:`plan`) and each group runs on its own tiles. The forward saves
 the per-row log-sum-exp ``lse = m + log l``.
 (q is pre-multiplied by ``scale·log2(e)``, so the scores, ``m`` and ``lse`` are in log2
-units and every exponential is an ``exp2``, three times faster than ``exp`` on CPU.)
+units and every exponential is an ``exp2``, faster than ``exp`` on CPU.)
 
 Backward (FlashAttention-2), key block by key block: the probabilities are recomputed from
 the saved ``lse`` (``P = exp(S - lse)``), with ``D = rowsum(dO * O)`` and
@@ -47,7 +47,8 @@ from torch.autograd.function import once_differentiable
 
 from selfattn._seeds import stream_seed
 from selfattn._validate import positive_ints
-from selfattn.backends._common import half, multiplies_natively
+from selfattn.backends._common import half
+from selfattn.kernels.features import multiplies_natively
 from selfattn.masks import HIDDEN, PARTIAL, Mask
 from selfattn.scores import Scores
 
@@ -55,14 +56,15 @@ from selfattn.scores import Scores
 # per-call overhead, and small enough to skip what a mask hides. Plain causal: 256 x 256 was
 # the fastest or tied of 128..512 on a 2-core AVX-512 CPU, float32 forward+backward, D = 64,
 # from (B=16, T=1024) to (B=2, T=8192). Windows, padding, documents: 128 x 128, measured
-# 1.1-1.2x faster than 256 x 256 on a 2-core AVX2 CPU (window 256 at T = 4096 and 16384,
-# 16 documents at T = 4096; B=1, H=8, D=64; forward and forward+backward, interleaved runs).
-# ALiBi and soft-capping keep 256 x 256: of six sizes (128..512 rows, 128..256 columns) it was the
-# fastest for both on the AVX2 CPU (forward, T = 4096: 368 and 428 ms; the others 406-488, 450-577).
+# faster than 256 x 256 on a 2-core AVX2 CPU (window 256 at T = 4096 and 16384, 16 documents at
+# T = 4096; B=1, H=8, D=64; forward and forward+backward, interleaved runs). ALiBi and
+# soft-capping keep 256 x 256: of six sizes (128..512 rows, 128..256 columns) it was the fastest
+# for both on the AVX2 CPU, forward at T = 4096 (the timings: docs/benchmarks.md, "Measurements
+# the code cites").
 BLOCK_Q = 256  # query rows per tile, plain causal or unmasked
 BLOCK_K = 256  # key columns per tile, plain causal or unmasked
 MASKED_BLOCK = 128  # rows and columns per tile when a window, padding or documents hide tiles
-LOG2E = 1.4426950408889634  # log2(e): scores are kept in log2 units, so exp is exp2 (3x faster on CPU)
+LOG2E = 1.4426950408889634  # log2(e): scores are kept in log2 units, so exp is exp2 (faster on CPU)
 LN2 = 0.6931471805599453  # ln(2) = 1 / log2(e): back to natural units for the score rules
 RETURNS_WEIGHTS = False
 
@@ -250,7 +252,7 @@ def _attend_backward(qs: Tensor, kw: Tensor, vw: Tensor, out: Tensor, lse: Tenso
     Hkv, S = kw.shape[0] // B, kw.shape[1]
     acc = _accumulated(qs.dtype)
     do = _group(grad_out.to(qs.dtype).contiguous(), Hkv)  # (B·Hkv, T·G, D); a stride-0 gradient (out.sum()) made
-    # every product with it 1.2x slower (690 ms against 557 for prefix-LM training at T = 4096)
+    # every product with it slower (docs/benchmarks.md, "Measurements the code cites")
     neg_d = _group((grad_out.to(acc) * out.to(acc)).sum(dim=3, keepdim=True).neg_(), Hkv)  # -D, (B·Hkv, T·G, 1)
     dq, dk, dv = (torch.empty_like(t, dtype=acc) for t in (qs, kw, vw))
     with _own_dtypes(qs.device):
@@ -294,12 +296,13 @@ class _Part:
                 j = torch.arange(self.k_start + t.k0, self.k_start + t.k1, device=s.device, dtype=s.dtype)
                 dist = p[:, None] - j[None, :]  # (Bq, Bk), exact: positions are integers below 2^24
                 slopes = scores.alibi_slopes.to(s.dtype).view(1, Hkv, 1, G, 1) * -LOG2E  # -slope, log2 units
-                # one multiply-add, no bias tile: 153 us per 8 x 256 x 256 tile where an int64 distance tile
-                # and a bias tile took 363 (same CPU)
+                # one multiply-add, no bias tile: faster than an int64 distance tile and a bias tile
+                # (docs/benchmarks.md, "Measurements the code cites")
                 s.view(nb, Hkv, Bq, G, Bk).addcmul_(slopes, dist[None, None, :, None, :])
             if scores.softcap is not None:
                 # c·tanh(x/c) = 2c·sigmoid(2x/c) - c. On a 2-core AVX2 CPU, tanh_ on an 8 x 256 x 256 tile
-                # took 1.1 ms, more than the tile's two matmuls (0.6 ms each); sigmoid_ ran 3.4x faster
+                # took longer than the tile's two matmuls, sigmoid_ far less (docs/benchmarks.md,
+                # "Measurements the code cites")
                 c = scores.softcap
                 s.mul_(2 * LN2 / c).sigmoid_().mul_(2 * LOG2E * c).sub_(LOG2E * c)
             return s

@@ -4,7 +4,7 @@ A rule measured on one CPU can be wrong on the next (AVX2 against AVX-512 with B
 memory bandwidth, another thread count), so ``auto`` can follow this machine's own measurements,
 as Triton's autotuner and cuDNN's benchmark mode do:
 
-- ``selfattn bench calibrate`` times the candidate backends (``sdpa``, ``tiled``, ``flex``,
+- ``selfattn calibrate`` times the candidate backends (``sdpa``, ``tiled``, ``flex``,
   ``triton``, each where it serves) on a few sequence lengths per kind of mask, dtype and mode,
   and writes the fastest of each to :func:`path`;
 - with ``SELFATTN_AUTO_TUNE=1``, a request that no measurement covers is timed the first time it
@@ -39,7 +39,7 @@ import torch
 from torch import Tensor
 
 from selfattn import _files, _timing
-from selfattn.backends._common import multiplies_natively
+from selfattn.kernels.features import multiplies_natively
 from selfattn.masks import Mask
 from selfattn.scores import Scores
 
@@ -125,7 +125,8 @@ def table(device: torch.device) -> dict:
 
 def _where(device: torch.device) -> tuple:
     """What can change the cache file within a process, cheap to ask on every request: naming the
-    file hashes the whole fingerprint, and a lookup took 35 us with it, 11 us without."""
+    file hashes the whole fingerprint, which made a lookup several times slower (``docs/benchmarks.md``,
+    "Measurements the code cites")."""
     return (str(device), torch.get_num_threads(), multiplies_natively(device, torch.bfloat16),
             os.environ.get("SELFATTN_CACHE_DIR"), os.environ.get("XDG_CACHE_HOME"))
 
@@ -146,12 +147,12 @@ def _read(file: Path, expected: dict) -> dict:
         if not all(isinstance(m["best"], str) and m["T"] > 0 and m["S"] > 0 for ms in entries.values() for m in ms):
             raise ValueError("a measurement without best, T or S")
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-        warnings.warn(f"selfattn: ignoring auto's cache {file}: unreadable ({e}); run `selfattn bench calibrate`",
+        warnings.warn(f"selfattn: ignoring auto's cache {file}: unreadable ({e}); run `selfattn calibrate`",
                       stacklevel=2)
         return {}
     if data.get("fingerprint") != expected:
         warnings.warn(f"selfattn: ignoring auto's cache {file}: it was measured on another machine or setting "
-                      f"({data.get('fingerprint')}); run `selfattn bench calibrate`", stacklevel=2)
+                      f"({data.get('fingerprint')}); run `selfattn calibrate`", stacklevel=2)
         return {}
     return entries
 
@@ -160,7 +161,8 @@ def nearest(measurements: list[dict], T: int, S: int, window: int | None) -> dic
     """The measurement closest in octaves of T·S and, for windows, of the window's share of the keys
     (W / S: what the tiles skip), if it is within ``REACH`` of T·S. By size alone, a window of 2048
     at T = 16384 would follow one of 2048 at T = 4096 (half the keys, where dense SDPA won training in
-    bfloat16) and run 2.8x slower than tiled; by share it follows a window of 256 at T = 4096."""
+    bfloat16) and run far slower than tiled (``docs/benchmarks.md``, "Measurements the code cites");
+    by share it follows a window of 256 at T = 4096."""
     def distance(m: dict) -> float:
         d = abs(pymath.log2(T * S) - pymath.log2(m["T"] * m["S"]))
         if window is not None and m.get("window"):

@@ -58,7 +58,7 @@ def main(args: argparse.Namespace) -> int:
     audit = dict(method=args.method, atol=args.atol)
     skipped = {}
     if args.ckpt:
-        from selfattn.loading import load
+        from selfattn.io.loading import load
 
         model = load(args.ckpt).model
         if args.seq_len is None:  # long enough to tell the smallest window from causality, where that is cheap

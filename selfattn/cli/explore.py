@@ -18,7 +18,7 @@ import torch
 from selfattn import _files
 from selfattn.analysis.explore import QUANT_ERROR, explore
 from selfattn.analysis.heads import repeated_tokens
-from selfattn.loading import load
+from selfattn.io.loading import load
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -6,15 +6,15 @@ file, or a local GPT-2 folder. ``--out`` receives ``config.json``, ``model.safet
 ``AutoModelForCausalLM.from_pretrained(DIR)``, ``AutoTokenizer.from_pretrained(DIR)`` and
 ``pipeline("text-generation", model=DIR)`` work, and ``selfattn sample --ckpt DIR`` reads
 it back. GPT-2-shaped models only (learned positions, full multi-head attention, no window,
-MLP on); anything else is refused with the reason (see :mod:`selfattn.export`).
+MLP on); anything else is refused with the reason (see :mod:`selfattn.io.export`).
 """
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
 
-from selfattn.export import PROBE_TOKENS, check_target, export
-from selfattn.loading import load
+from selfattn.io.export import PROBE_TOKENS, check_target, export
+from selfattn.io.loading import load
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -1,35 +1,35 @@
 """Config dataclasses as command-line flags.
 
-Each field of a config dataclass becomes one flag (``n_layer`` -> ``--n-layer``) whose help
-is the field's comment in the source. Flags default to "not given", so a caller can layer
-values: dataclass defaults, then a preset, then a JSON file
-(:func:`selfattn._validate.config_fields`), then the flags a person typed.
+A chosen field of a config dataclass becomes one flag (``n_layer`` -> ``--n-layer``) whose help is
+the field's own (``metadata["help"]``, :mod:`selfattn._fields`); every other field is set by name with
+``--set FIELD=VALUE``. Flags default to "not given", so a caller can layer values: dataclass defaults,
+then a preset, then a JSON file (:func:`selfattn._validate.config_fields`), then what a person typed.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import inspect
-import re
+import difflib
+import json
 
+from selfattn._fields import help_of
 from selfattn._validate import field_type
 
 
-def add_flags(parser: argparse.ArgumentParser, cls: type, *, skip: tuple[str, ...] = (),
-              title: str | None = None) -> None:
-    """Add one ``--flag`` per field of the dataclass ``cls`` (except ``skip``, and fields holding a
-    list or a dict, which a JSON ``--config`` sets) in its own group, titled ``title`` (default:
-    the class name)."""
+def add_flags(parser: argparse.ArgumentParser, cls: type, *, only: tuple[str, ...] | None = None,
+              skip: tuple[str, ...] = (), title: str | None = None) -> None:
+    """Add one ``--flag`` per field of the dataclass ``cls`` (those of ``only`` when given, except
+    ``skip``, and none holding a list or a dict, which ``--set`` or a JSON ``--config`` sets) in its
+    own group, titled ``title`` (default: the class name)."""
     group = parser.add_argument_group(title or cls.__name__)
-    comments = field_comments(cls)
     for f in dataclasses.fields(cls):
-        if f.name in skip:
+        if f.name in skip or (only is not None and f.name not in only):
             continue
         base, optional = field_type(cls, f.name)
         if base in (list, dict):
             continue
         flag = "--" + f.name.replace("_", "-")
-        help_text = f"{comments.get(f.name, '')} [{f.default!r}]".strip().replace("%", "%%")  # argparse formats it
+        help_text = f"{help_of(f)} [{f.default!r}]".strip().replace("%", "%%")  # argparse formats it
         if base is bool:
             group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,
                                default=argparse.SUPPRESS, help=help_text)
@@ -38,19 +38,62 @@ def add_flags(parser: argparse.ArgumentParser, cls: type, *, skip: tuple[str, ..
                                metavar=base.__name__.upper() + ("|none" if optional else ""), help=help_text)
 
 
+def add_set(parser: argparse.ArgumentParser, *classes: type) -> None:
+    """``--set FIELD=VALUE`` (repeatable): any field of ``classes`` by name."""
+    names = ", ".join(f.name for cls in classes for f in dataclasses.fields(cls))
+    parser.add_argument("--set", dest="set_fields", action="append", default=[], metavar="FIELD=VALUE",
+                        help=f"set any field by name (repeatable): a number, true/false, none, a string, or JSON for "
+                             f"a list or a dict, e.g. --set window=256 --set sink_tokens=4. Fields: {names}")
+
+
 def given(args: argparse.Namespace, cls: type) -> dict:
-    """The fields of ``cls`` that were given on the command line, as a dict."""
-    return {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}
+    """The fields of ``cls`` given on the command line, as flags or by ``--set``, as a dict; a ValueError
+    names a ``--set`` of a field no class has, or a value its field cannot take."""
+    out = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}
+    fields = {f.name for f in dataclasses.fields(cls)}
+    for item in getattr(args, "set_fields", []):
+        name, value = _split(item)
+        if name in fields:
+            out[name] = _parse(cls, name, value)
+    return out
 
 
-def field_comments(cls: type) -> dict[str, str]:
-    """The trailing ``# comment`` of each field line in the class source (empty if no source)."""
+def check_set(args: argparse.Namespace, *classes: type) -> None:
+    """Refuse a ``--set`` whose field none of ``classes`` has, naming it (and the closest name)."""
+    names = [f.name for cls in classes for f in dataclasses.fields(cls)]
+    for item in getattr(args, "set_fields", []):
+        name, _ = _split(item)
+        if name not in names:
+            close = difflib.get_close_matches(name, names, n=1)
+            raise ValueError(f"--set {item}: no field {name!r}" + (f"; did you mean {close[0]!r}?" if close else ""))
+
+
+def _split(item: str) -> tuple[str, str]:
+    name, sep, value = item.partition("=")
+    if not sep or not name.strip():
+        raise ValueError(f"--set takes FIELD=VALUE, got {item!r}")
+    return name.strip().replace("-", "_"), value.strip()
+
+
+def _parse(cls: type, name: str, text: str):
+    """``text`` as the value of field ``name`` of ``cls``: by the field's type, JSON for a list or a dict."""
+    base, optional = field_type(cls, name)
+    if optional and text.lower() == "none":
+        return None
     try:
-        source = inspect.getsource(cls)
-    except (OSError, TypeError):
-        return {}
-    pattern = re.compile(r"^\s+(\w+)\s*:[^#\n]*#\s*(.+?)\s*$")
-    return {m.group(1): m.group(2) for m in map(pattern.match, source.splitlines()) if m}
+        if base in (list, dict):
+            value = json.loads(text)
+            if not isinstance(value, base):
+                raise ValueError
+            return value
+        if base is bool:
+            if text.lower() not in ("true", "false", "1", "0", "yes", "no"):
+                raise ValueError
+            return text.lower() in ("true", "1", "yes")
+        return base(text)
+    except ValueError:
+        want = {list: "a JSON list", dict: "a JSON object", bool: "true or false"}.get(base, base.__name__)
+        raise ValueError(f"--set {name}={text}: {name} takes {want}" + (" or none" if optional else "")) from None
 
 
 def _flag_parser(base: type, optional: bool):

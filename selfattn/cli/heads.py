@@ -27,7 +27,7 @@ from selfattn.analysis.heads import (
     repeated_tokens,
 )
 from selfattn.cli.explore import check_repeat
-from selfattn.loading import load
+from selfattn.io.loading import load
 
 LABELS_UP_TO = 32  # token labels on the plot axes for sequences up to this long
 TABLE_UP_TO = 64  # print the per-head table for models with at most this many heads

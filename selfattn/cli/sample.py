@@ -4,22 +4,23 @@
 file (``ckpt-*.safetensors``, or a ``torch.save`` state dict ``.pt`` beside the run's
 ``config.json``), a local folder written by ``transformers``' ``save_pretrained`` (GPT-2,
 Llama, Mistral, Qwen2, ...; one without a tokenizer selfattn reads is refused, saying so), or a
-GGUF file (see :mod:`selfattn.loading`). Nothing is downloaded.
+GGUF file (see :mod:`selfattn.io.loading`). Nothing is downloaded.
 
 ``--prompt`` continues a text; ``--chat`` asks a chat model a question: the model's chat template
 writes it as the user's message, followed by what starts the assistant's answer, and the answer
 is printed. Either way generation stops at the model's end-of-text token (eos) when it has one.
 
-``--speculative`` decodes speculatively (:mod:`selfattn.speculative`): the same text (greedy) or
+``--speculative`` decodes speculatively (:mod:`selfattn.generation.speculative`): the same text (greedy) or
 the same distribution of texts (sampling), in fewer forwards when the drafts are right. ``lookup``
 drafts by prompt lookup, ``self:N`` with the model's first N layers, ``draft:PATH`` with a smaller
 model of the same vocabulary (any ``--ckpt`` kind of path).
 
-``--quantize int8`` decodes with weight-only int8 (:mod:`selfattn.quantize`): a quarter of
-float32's bytes per token read, at an accuracy cost that ``selfattn bench int8`` measures.
-``--compile`` decodes through ``torch.compile`` graphs (:meth:`~selfattn.model.GPT.compile_decode`),
+``--quantize int8`` decodes with weight-only int8 (:mod:`selfattn.generation.int8`): a quarter of
+float32's bytes per token read, at an accuracy cost that ``python -m benchmarks int8`` measures.
+``--compile`` decodes through ``torch.compile`` graphs (:func:`~selfattn.generation.compile_decode`),
 the speculative forwards and a draft model's included; a pre-norm decoder on the CPU (Llama's
-blocks, GPT-2's) decodes through the C++ decode kernel instead (:mod:`selfattn.decode_kernel`), nothing to compile.
+blocks, GPT-2's) decodes through the C++ decode kernel instead (:mod:`selfattn.generation.kernel_step`),
+nothing to compile.
 
 Tokens are turned into bytes one at a time and decoded incrementally, so a character whose
 UTF-8 bytes span several tokens is printed whole once its last byte arrives. Past the
@@ -33,10 +34,12 @@ import sys
 import torch
 
 from selfattn import _validate
-from selfattn.loading import load
-from selfattn.quantize import quantize_int8
-from selfattn.sampling import check_sampling, stream, text_pieces
-from selfattn.speculative import Speculative
+from selfattn.generation import compile_decode, decode_layout
+from selfattn.generation.int8 import quantize_int8
+from selfattn.generation.sampling import check_sampling
+from selfattn.generation.speculative import Speculative
+from selfattn.generation.text import stream, text_pieces
+from selfattn.io.loading import load
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -60,8 +63,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="weight-only int8 (per-channel scales): fewer bytes a token, slightly different numbers")
     p.add_argument("--compile", action="store_true",
                    help="decode compiled, --speculative's forwards too: a pre-norm decoder on the CPU (SmolLM2, GPT-2) "
-                        "through the C++ decode kernel (1.5-2.1x SmolLM2-135M's eager tokens/s on a 2-core CPU), "
-                        "others through torch.compile graphs, after compiling for seconds")
+                        "through the C++ decode kernel, others through torch.compile graphs, after compiling "
+                        "for seconds")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -79,11 +82,11 @@ def main(args: argparse.Namespace) -> int:
         ids = tokenizer.encode(loaded.require_chat().render([{"role": "user", "content": args.chat}]))
     else:
         ids = tokenizer.encode(args.prompt, special=True) if args.prompt else [loaded.start_token]
-    model = loaded.model.to(device).eval().decode_layout()  # inference only: the order batch-1 decoding reads fastest
+    model = decode_layout(loaded.model.to(device).eval())  # inference only: the order batch-1 decoding reads fastest
     if args.quantize == "int8":
         quantize_int8(model)
     if args.compile:
-        model.compile_decode()
+        compile_decode(model)
     if args.prompt and not ids:
         raise ValueError(f"--prompt {args.prompt!r} encodes to no token with the tokenizer of {loaded.source}")
     if ids == [None]:
@@ -118,9 +121,9 @@ def speculation(how: str | None, model, device, positions: int, *, compile: bool
         if how.startswith("draft:"):
             if not how[len("draft:"):]:
                 raise ValueError("draft:PATH needs a path to the draft model")
-            method = load(how[len("draft:"):]).model.to(device).eval().decode_layout()
+            method = decode_layout(load(how[len("draft:"):]).model.to(device).eval())
             if compile:
-                method.compile_decode()
+                compile_decode(method)
         spec = Speculative(method)
         spec.check(model, positions if model.max_positions is None else min(positions, model.max_positions))
     except (ValueError, TypeError) as e:

@@ -1,9 +1,10 @@
 """Train a GPT on text (the built-in corpus or --data); torchrun for DDP/FSDP2; --resume.
 
 ``selfattn train --preset tiny --out runs/tiny`` trains on the built-in corpus (Python's own
-documentation) and writes the run folder described in :mod:`selfattn.training.loop`. Every
-field of ``GPTConfig`` and ``TrainConfig`` is a flag; ``--preset`` and ``--config FILE.json``
-set other defaults. Under ``torchrun`` only rank 0 prints.
+documentation) and writes the run folder described in :mod:`selfattn.training.loop`. The sizes and
+the training knobs people tune are flags; ``--set FIELD=VALUE`` sets any other field of ``GPTConfig``
+or ``TrainConfig``; ``--preset`` and ``--config FILE.json`` set other defaults. Under ``torchrun``
+only rank 0 prints.
 """
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ import sys
 from pathlib import Path
 
 from selfattn.cli import flags
-from selfattn.model import GPTConfig
-from selfattn.models.writing import ARCHS
+from selfattn.config import GPTConfig
+from selfattn.families.writing import ARCHS
 from selfattn.training import lock, parallel
 from selfattn.training.loop import PRESETS, Diverged, TrainConfig, TrainResult, resolve_configs, train
 
@@ -30,8 +31,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--resume", action="store_true",
                    help="continue the run in --out from its newest checkpoint, with its configs; "
                         "flags given here change training fields")
-    flags.add_flags(p, GPTConfig, skip=("vocab_size",), title="GPTConfig (presets and --config set other defaults)")
-    flags.add_flags(p, TrainConfig, title="TrainConfig (presets and --config set other defaults)")
+    flags.add_flags(p, GPTConfig, only=MODEL_FLAGS, title="the model (--set, presets and --config set the rest)")
+    flags.add_flags(p, TrainConfig, only=TRAIN_FLAGS, title="training (--set, presets and --config set the rest)")
+    flags.add_set(p, GPTConfig, TrainConfig)
+
+
+# the fields a user reaches for as flags; every other one is --set FIELD=VALUE
+MODEL_FLAGS = ("n_layer", "n_head", "n_embd", "n_kv_head", "block_size", "dropout", "bias")
+TRAIN_FLAGS = ("data", "tokenizer", "batch_size", "grad_accum", "max_steps", "lr", "min_lr", "warmup_steps",
+               "weight_decay", "grad_clip", "eval_every", "save_every", "seed", "device", "bf16", "compile", "fsdp",
+               "context_parallel")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -53,11 +62,13 @@ def _exit_now(status: int) -> None:
 
 
 def _train(args: argparse.Namespace) -> int:
+    flags.check_set(args, GPTConfig, TrainConfig)
+    model_flags, train_flags = flags.given(args, GPTConfig), flags.given(args, TrainConfig)  # before any folder
     out = Path(getattr(args, "out", None) or f"runs/{args.preset or 'default'}")
     with lock.hold(out):  # before the configs are read: another run may be saving (and pruning) there
         model_cfg, train_cfg, resume_from = resolve_configs(
             out, preset=args.preset, config=args.config, resume=args.resume, arch=args.arch,
-            model_flags=flags.given(args, GPTConfig), train_flags=flags.given(args, TrainConfig))
+            model_flags=model_flags, train_flags=train_flags)
         try:
             with _Progress() as progress:  # the bar is closed before anything else is printed
                 result = train(model_cfg, train_cfg, out, resume_from=resume_from, on_event=progress)

@@ -9,7 +9,7 @@ conversation into text.
 - :mod:`~selfattn.tokenizers.chat`: chat templates, rendered as ``transformers`` renders them.
 
 Every tokenizer turns one token into its bytes (``token_bytes``), so text can be streamed token by
-token (:func:`selfattn.sampling.text_pieces`), and describes itself as a JSON-ready ``spec()`` that
+token (:func:`selfattn.generation.text.text_pieces`), and describes itself as a JSON-ready ``spec()`` that
 a checkpoint stores and :func:`from_spec` reads back.
 """
 from __future__ import annotations

@@ -36,39 +36,41 @@ import torch
 from torch import Tensor, nn
 
 from selfattn import _files, _plot, _validate
+from selfattn._fields import described
 from selfattn._seeds import stream_seed
+from selfattn.config import GPTConfig
 from selfattn.distributed import SequenceShard
-from selfattn.model import GPT, GPTConfig
-from selfattn.models import writing
+from selfattn.families import writing
+from selfattn.model import GPT
 from selfattn.training import checkpoint, data, lock, parallel
 
 
 @dataclass
 class TrainConfig:
-    data: str | None = None  # text file or folder of text files; none = the built-in corpus (Python's docs)
-    tokenizer: str = "byte"  # "byte" (vocabulary 256, any text) or "bpe" (trained locally on the corpus)
-    bpe_vocab: int = 2048  # BPE vocabulary size (256 bytes + merges), with tokenizer "bpe"
-    val_fraction: float = 0.1  # the last fraction of the tokens, held out for evaluation
-    batch_size: int = 32  # sequences per optimizer step, over all ranks and micro-steps together
-    grad_accum: int = 1  # micro-steps per optimizer step: each runs batch_size / (ranks * grad_accum) rows
-    max_steps: int = 2000  # optimizer steps; the cosine decay ends here
-    lr: float = 1e-3  # peak learning rate, reached after the warmup
-    min_lr: float = 1e-4  # learning rate at the end of the cosine decay
-    warmup_steps: int = 100  # linear warmup from 0 to lr over these steps
-    weight_decay: float = 0.1  # AdamW weight decay, on matrices only (not on biases and LayerNorm gains)
-    beta1: float = 0.9  # AdamW beta1
-    beta2: float = 0.99  # AdamW beta2
-    grad_clip: float = 1.0  # clip the global gradient norm to this; 0 = no clipping
-    eval_every: int = 200  # steps between evaluations on the val split (also redraws loss.png)
-    eval_batches: int = 20  # batches per evaluation, the same batches every time
-    save_every: int = 500  # steps between checkpoints; the last step is always saved
-    keep: int = 2  # checkpoints kept in the run folder, the newest ones
-    seed: int = 0  # seeds the initial weights, the batches and the dropout masks
-    device: str = "auto"  # "auto" (CUDA if available, else CPU) or a torch device: "cpu", "cuda", "mps"
-    bf16: bool = False  # bfloat16 autocast for forward and backward; weights and AdamW state stay float32
-    compile: bool = False  # torch.compile the model
-    fsdp: bool = False  # under torchrun: shard the model with FSDP2 instead of replicating it with DDP
-    context_parallel: int = 1  # under torchrun: split each sequence over this many ranks (ring attention)
+    data: str | None = described(None, "text file or folder of text files; none = the built-in corpus (Python's docs)")
+    tokenizer: str = described("byte", '"byte" (vocabulary 256, any text) or "bpe" (trained locally on the corpus)')
+    bpe_vocab: int = described(2048, 'BPE vocabulary size (256 bytes + merges), with tokenizer "bpe"')
+    val_fraction: float = described(0.1, 'the last fraction of the tokens, held out for evaluation')
+    batch_size: int = described(32, 'sequences per optimizer step, over all ranks and micro-steps together')
+    grad_accum: int = described(1, 'micro-steps per optimizer step: each runs batch_size / (ranks * grad_accum) rows')
+    max_steps: int = described(2000, 'optimizer steps; the cosine decay ends here')
+    lr: float = described(1e-3, 'peak learning rate, reached after the warmup')
+    min_lr: float = described(1e-4, 'learning rate at the end of the cosine decay')
+    warmup_steps: int = described(100, 'linear warmup from 0 to lr over these steps')
+    weight_decay: float = described(0.1, 'AdamW weight decay, on matrices only (not on biases and LayerNorm gains)')
+    beta1: float = described(0.9, 'AdamW beta1')
+    beta2: float = described(0.99, 'AdamW beta2')
+    grad_clip: float = described(1.0, 'clip the global gradient norm to this; 0 = no clipping')
+    eval_every: int = described(200, 'steps between evaluations on the val split (also redraws loss.png)')
+    eval_batches: int = described(20, 'batches per evaluation, the same batches every time')
+    save_every: int = described(500, 'steps between checkpoints; the last step is always saved')
+    keep: int = described(2, 'checkpoints kept in the run folder, the newest ones')
+    seed: int = described(0, 'seeds the initial weights, the batches and the dropout masks')
+    device: str = described("auto", '"auto" (CUDA if available, else CPU) or a torch device: "cpu", "cuda", "mps"')
+    bf16: bool = described(False, 'bfloat16 autocast for forward and backward; weights and AdamW state stay float32')
+    compile: bool = described(False, 'torch.compile the model')
+    fsdp: bool = described(False, 'under torchrun: shard the model with FSDP2 instead of replicating it with DDP')
+    context_parallel: int = described(1, 'under torchrun: split each sequence over this many ranks (ring attention)')
 
     def __post_init__(self):
         _validate.positive_ints(**{name: getattr(self, name) for name in (
@@ -90,7 +92,7 @@ class TrainConfig:
 
 # name -> (GPTConfig fields, TrainConfig fields); flags and --config override them.
 PRESETS = {
-    # 0.64M parameters: writes English-looking words in ~70 s on a 2-core CPU (val loss ~1.55)
+    # 0.64M parameters: writes English-looking words in about a minute on 2 cores (README: its run)
     "tiny": (dict(block_size=128, n_layer=3, n_head=4, n_embd=128),
              dict(batch_size=16, max_steps=700, lr=3e-3, min_lr=3e-4, warmup_steps=50, eval_every=100,
                   eval_batches=8, save_every=350)),
@@ -135,7 +137,7 @@ def resolve_configs(out: str | os.PathLike, *, preset: str | None = None, config
                     resume: bool = False, model_flags: dict | None = None, train_flags: dict | None = None,
                     arch: str | None = None) -> tuple[GPTConfig, TrainConfig, Path | None]:
     """(model config, train config, checkpoint to resume from or None), layered: dataclass
-    defaults < ``preset`` < ``arch`` (a family's block, :func:`selfattn.models.writing.block`) <
+    defaults < ``preset`` < ``arch`` (a family's block, :func:`selfattn.families.writing.block`) <
     the JSON file ``config`` < the flags; on ``resume``: the newest checkpoint's configs < the
     flags (training fields, and model fields that change no shape)."""
     out, model_flags, train_flags = Path(out), model_flags or {}, train_flags or {}
@@ -175,8 +177,7 @@ def _check_resume_flags(ckpt: Path, meta: dict, model_flags: dict, train_flags: 
                 if key in train_flags and train_flags[key] != meta["train"][key]]
     if changed:
         key, value, saved, why = changed[0]
-        raise ValueError(f"--resume: --{key.replace('_', '-')} {value!r} differs from the checkpoint's "
-                         f"{key}={saved!r}; {why}")
+        raise ValueError(f"--resume: {key}={value!r} differs from the checkpoint's {key}={saved!r}; {why}")
 
 
 def _check_resume_launch(ckpt: Path, cfg: TrainConfig, train_flags: dict) -> None:

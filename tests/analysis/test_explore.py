@@ -20,8 +20,9 @@ import torch
 from selfattn.analysis.explore import ALPHABET, QUANT_ERROR, base85, dequantise, explore, quantise, token_label
 from selfattn.analysis.heads import attention_maps, head_scores, rank_heads
 from selfattn.cli import main as cli
-from selfattn.loading import load
-from selfattn.model import GPT, GPTConfig
+from selfattn.config import GPTConfig
+from selfattn.io.loading import load
+from selfattn.model import GPT
 from selfattn.tokenizers import BPETokenizer, ByteTokenizer
 
 from helpers.browser import chromium

@@ -179,7 +179,8 @@ def test_capture_records_weights_and_changes_nothing(backend):
 
 @pytest.mark.parametrize("backend", ["sdpa", "math"])
 def test_capture_leaves_gpt_logits_unchanged(backend):
-    from selfattn.model import GPT, GPTConfig
+    from selfattn.config import GPTConfig
+    from selfattn.model import GPT
 
     model = GPT(GPTConfig(vocab_size=50, block_size=16, n_layer=3, n_head=2, n_embd=16, backend=backend)).eval()
     idx = torch.randint(50, (2, 12))

@@ -6,8 +6,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from selfattn import attention, stream_kernel
+from selfattn import attention
 from selfattn.backends import sdpa
+from selfattn.generation import compile_decode, decode_layout, generate
+from selfattn.kernels import features, stream
 from tests.helpers.models import scrambled, small
 
 
@@ -18,16 +20,16 @@ def _decoded_token(dtype, keys=40):
 @pytest.fixture
 def no_kernel(monkeypatch):
     """A machine where the one-query kernel does not serve (no compiler, no AVX2)."""
-    monkeypatch.setattr(stream_kernel, "attends", lambda: False)
+    monkeypatch.setattr(stream, "attends", lambda: False)
 
 
 @pytest.fixture
 def kernel_calls(monkeypatch) -> list:
     """The dtypes of the queries the kernel attends, as it is called; the kernel serving whatever
-    build this CPU runs (the baseline one too, which serves only in tests: see stream_kernel.ATTENDS)."""
-    monkeypatch.setattr(stream_kernel, "attends", lambda: True)
-    calls, attend = [], stream_kernel.attend
-    monkeypatch.setattr(stream_kernel, "attend", lambda q, *args, **kw: calls.append(q.dtype) or attend(q, *args, **kw))
+    build this CPU runs (the baseline one too, which serves only in tests: see stream.ATTENDS)."""
+    monkeypatch.setattr(stream, "attends", lambda: True)
+    calls, attend = [], stream.attend
+    monkeypatch.setattr(stream, "attend", lambda q, *args, **kw: calls.append(q.dtype) or attend(q, *args, **kw))
     return calls
 
 
@@ -72,22 +74,23 @@ def test_only_few_plain_causal_queries_without_a_gradient_or_dropout_attend_in_t
     assert kernel_calls == [torch.float32]
 
 
-@pytest.mark.parametrize("isa", list(stream_kernel.FLAGS))
+@pytest.mark.parametrize("isa", list(features.FLAGS))
 def test_the_kernel_serves_where_its_build_was_measured_faster(monkeypatch, isa):
-    monkeypatch.setattr(stream_kernel, "_chosen", [isa])  # the build a CPU would run
-    monkeypatch.setattr(stream_kernel, "failure", lambda isa=None: None)  # and it builds
-    assert stream_kernel.attends() == (isa != "baseline")  # the baseline's float32: slower than SDPA
-    monkeypatch.setattr(stream_kernel, "failure", lambda isa=None: "no compiler")  # control: nothing builds
-    assert not stream_kernel.attends()
+    monkeypatch.setattr(stream, "_chosen", [isa])  # the build a CPU would run
+    monkeypatch.setattr(stream, "failure", lambda isa=None: None)  # and it builds
+    assert stream.attends() == (isa != "baseline")  # the baseline's float32: slower than SDPA
+    monkeypatch.setattr(stream, "failure", lambda isa=None: "no compiler")  # control: nothing builds
+    assert not stream.attends()
 
 
 def test_a_compiled_decode_step_attends_in_the_kernel_within_its_graph(kernel_calls):
     model = scrambled(small(pos="rope", n_kv_head=2)).to(torch.bfloat16)
     prompt = torch.randint(61, (1, 5))
-    eager = list(model.generate(prompt, 4, temperature=0))
+    eager = list(generate(model, prompt, 4, temperature=0))
     assert kernel_calls == [torch.bfloat16] * 3 * len(model.blocks)  # three decoded tokens, every layer
     torch._dynamo.utils.counters.clear()
-    assert list(model.compile_decode().generate(prompt, 4, temperature=0)) == eager
+    graph = decode_layout(model, one_row="mv", few_rows="linear")  # a graph's step, not the C++ decode kernel's
+    assert list(generate(compile_decode(graph), prompt, 4, temperature=0)) == eager
     assert len(kernel_calls) == 2 * 3 * len(model.blocks)  # the graph took the kernel (the spy's appends replayed)
     assert not torch._dynamo.utils.counters["graph_break"]  # within one graph
 
@@ -167,8 +170,9 @@ def test_a_compiled_decode_step_measures_its_heads_before_it_compiles(monkeypatc
     monkeypatch.setattr(sdpa, "COMPILED_IN_FLOAT32", {})
     asked = []
     monkeypatch.setattr(sdpa, "one_query_in_float32", lambda *request: asked.append(request) or True)
-    model = scrambled(small(pos="rope", n_kv_head=2)).to(torch.bfloat16).compile_decode()
-    list(model.generate(torch.randint(61, (1, 5)), 3, temperature=0))
+    model = scrambled(small(pos="rope", n_kv_head=2)).to(torch.bfloat16)
+    model = compile_decode(decode_layout(model, one_row="mv", few_rows="linear"))  # a graph's step
+    list(generate(model, torch.randint(61, (1, 5)), 3, temperature=0))
     heads = (model.blocks[0].attn.n_head, model.blocks[0].attn.n_kv_head, model.blocks[0].attn.head_dim)
     assert asked == [(torch.bfloat16, *heads, sdpa.COMPILED_KEYS)]  # once, over COMPILED_KEYS keys
     assert sdpa.COMPILED_IN_FLOAT32 == {(torch.bfloat16, *heads): True}

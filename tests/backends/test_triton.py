@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from benchmarks.cli import run as bench
 from selfattn import attention
 from selfattn.masks import Mask
 
@@ -71,8 +72,7 @@ def test_refuses_cpu_tensors_without_the_interpreter():
 
 
 def test_gpu_suite_counts_the_causal_half_and_needs_a_gpu(capsys):
-    from selfattn.bench import triton_gpu
-    from selfattn.cli import main
+    from benchmarks import triton_gpu
 
     assert triton_gpu.visible_pairs(4, 4, causal=True) == 4 + 3 + 2 + 1
     assert triton_gpu.visible_pairs(2, 5, causal=True) == 4 + 5  # a cache: the queries sit at positions 3, 4
@@ -83,6 +83,6 @@ def test_gpu_suite_counts_the_causal_half_and_needs_a_gpu(capsys):
     row = triton_gpu.check_parity(case, torch.device("cpu"), "tiled")
     assert row["ok"] and row["backend"] == "tiled" and [t["name"] for t in row["tensors"]] == ["out", "dq", "dk", "dv"]
     if not torch.cuda.is_available():
-        assert main(["bench", "triton", "--device", "cpu", "--out", "unused"]) == 2
+        assert bench(["triton", "--device", "cpu", "--out", "unused"]) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and "needs a CUDA GPU" in err

@@ -174,9 +174,9 @@ def test_tuning_at_first_use_measures_once_and_keeps_it(cache, monkeypatch):
 
 def test_cli_calibrate_writes_the_cache_and_show_says_what_auto_follows(cache, tmp_path, capsys):
     threads = str(torch.get_num_threads())  # as the CLI pins them: part of the machine's fingerprint
-    assert cli_main(["bench", "calibrate", "--show", "--threads", threads]) == 0
+    assert cli_main(["calibrate", "--show", "--threads", threads]) == 0
     assert "auto follows its measured rule" in capsys.readouterr().out
-    assert cli_main(["bench", "calibrate", "--quick", "--masks", "window-256", "causal", "--lengths", "256", "512",
+    assert cli_main(["calibrate", "--quick", "--kinds", "window-256", "causal", "--lengths", "256", "512",
                      "--dtypes", "float32", "--reps", "1", "--threads", threads, "--out", str(tmp_path / "out")]) == 0
     out = capsys.readouterr().out
     assert "window float32 fwd+bwd" in out and (tmp_path / "out" / "calibrate.json").exists()
@@ -186,7 +186,7 @@ def test_cli_calibrate_writes_the_cache_and_show_says_what_auto_follows(cache, t
                                                                                  ("causal", 512))
                                     for mode in ("fwd", "fwd+bwd"))
     tuning.forget()
-    assert cli_main(["bench", "calibrate", "--show", "--threads", threads]) == 0
+    assert cli_main(["calibrate", "--show", "--threads", threads]) == 0
     shown = capsys.readouterr().out
     assert "measurements for 4 kinds" in shown and "T=512 w=256" in shown
     with warnings.catch_warnings():

@@ -154,7 +154,7 @@ def test_float16_scores_beyond_float16_range_stay_finite():
 
 @pytest.mark.skip(reason="bfloat16 under TRITON_INTERPRET is known broken in Triton 3.8: the interpreter "
                          "stores bf16 as uint16 and its tl.dot multiplies those integers; bf16 runs on GPU "
-                         "(selfattn bench triton)")
+                         "(python -m benchmarks triton)")
 def test_bfloat16():
     check_parity(1, 2, 2, 17, 17, 16, dtype=torch.bfloat16)
 

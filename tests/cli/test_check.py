@@ -11,8 +11,9 @@ import torch
 from selfattn.audit.suite import OPTIONS
 from selfattn.backends import NAMES, availability, load
 from selfattn.cli import main
+from selfattn.config import GPTConfig
 from selfattn.masks import Mask
-from selfattn.model import GPT, GPTConfig
+from selfattn.model import GPT
 from selfattn.training import checkpoint
 
 LEAKY = textwrap.dedent("""

@@ -5,11 +5,15 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
+from benchmarks.cli import run as bench
 from selfattn.cli import main
+
+ROOT = Path(__file__).resolve().parents[2]  # python -m benchmarks runs from the repository's root
 
 MISSING = "mps" if torch.cuda.is_available() else "cuda"  # an accelerator this machine lacks
 
@@ -17,13 +21,14 @@ MISSING = "mps" if torch.cuda.is_available() else "cuda"  # an accelerator this 
 @pytest.mark.parametrize("device, words", [("quantum", ["'quantum' is not a torch device"]),
                                            (MISSING, [f"{MISSING!r} is not available on this machine"])])
 @pytest.mark.parametrize("command", [["train", "--max-steps", "1"], ["sample", "--ckpt", "nowhere"], ["check"],
-                                     ["bench", "attention", "--quick"]])
+                                     ["benchmarks", "attention", "--quick"]])
 def test_every_device_flag_refuses_a_device_in_one_line(command, device, words, tmp_path, capsys):
-    out = ["--out", str(tmp_path / "out")] if command[0] in ("train", "bench") else []
-    assert main([*command, *out, "--device", device]) == 2
+    out = ["--out", str(tmp_path / "out")] if command[0] in ("train", "benchmarks") else []
+    run, name = ((bench, "python -m benchmarks attention") if command[0] == "benchmarks"
+                 else (main, f"selfattn {command[0]}"))
+    assert run([*command[command[0] == "benchmarks":], *out, "--device", device]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith(f"selfattn {command[0]}: error: device ") and all(
-        w in err for w in words), err
+    assert err.count("\n") == 1 and err.startswith(f"{name}: error: device ") and all(w in err for w in words), err
     assert not (tmp_path / "out").exists()  # refused before anything was written
 
 
@@ -38,10 +43,11 @@ def test_demo_sizes_are_checked_before_anything_is_allocated(capsys):
 
 
 @pytest.mark.parametrize("argv, usage", [(["sample", "--ckpt", "x", "--bogus", "1"], "usage: selfattn sample"),
-                                         (["bench", "decode", "--quick", "--bogus"], "usage: selfattn bench decode")])
+                                         (["benchmarks", "decode", "--quick", "--bogus"],
+                                          "usage: python -m benchmarks decode")])
 def test_an_unknown_flag_shows_the_commands_usage(argv, usage, capsys):
     with pytest.raises(SystemExit) as e:
-        main(argv)
+        bench(argv[1:]) if argv[0] == "benchmarks" else main(argv)
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith(usage) and err.strip().splitlines()[-1].endswith("error: unrecognized arguments: --bogus" +
@@ -51,15 +57,17 @@ def test_an_unknown_flag_shows_the_commands_usage(argv, usage, capsys):
 def test_bench_checks_its_output_folder_before_the_work(tmp_path):
     target = tmp_path / "results.json"
     target.write_text("a file, not a folder")
-    done = subprocess.run([sys.executable, "-m", "selfattn", "bench", "attention", "--quick", "--out", str(target)],
-                          capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    done = subprocess.run([sys.executable, "-m", "benchmarks", "attention", "--quick", "--out", str(target)],
+                          capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                          cwd=ROOT)
     assert done.returncode == 2 and done.stdout == ""  # nothing was benchmarked
-    assert done.stderr == f"selfattn bench: error: {str(target)!r} is a file, not a folder\n"
-    inside = subprocess.run([sys.executable, "-m", "selfattn", "bench", "attention", "--quick", "--out",
-                             str(target / "sub")], capture_output=True, text=True, timeout=120)
+    assert done.stderr == f"python -m benchmarks attention: error: {str(target)!r} is a file, not a folder\n"
+    inside = subprocess.run([sys.executable, "-m", "benchmarks", "attention", "--quick", "--out",
+                             str(target / "sub")], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert inside.returncode == 2
     sub = str(target / "sub")
-    assert inside.stderr == f"selfattn bench: error: folder {sub!r} cannot be created: {str(target)!r} is a file\n"
+    assert inside.stderr == (f"python -m benchmarks attention: error: folder {sub!r} cannot be created: "
+                             f"{str(target)!r} is a file\n")
 
 
 # Ctrl-C at the moment torch is being imported, the longest part of starting up: an import hook

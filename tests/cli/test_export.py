@@ -21,10 +21,10 @@ import transformers  # noqa: E402  (the [hf] extra, part of [dev])
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 from selfattn.cli import main as cli  # noqa: E402
-from selfattn.export import EOT, export, unsupported  # noqa: E402
-from selfattn.loading import load  # noqa: E402
-from selfattn.model import GPTConfig  # noqa: E402
-from selfattn.sampling import stream  # noqa: E402
+from selfattn.config import GPTConfig  # noqa: E402
+from selfattn.generation.text import stream  # noqa: E402
+from selfattn.io.export import EOT, export, unsupported  # noqa: E402
+from selfattn.io.loading import load  # noqa: E402
 from selfattn.tokenizers import BPETokenizer, ByteTokenizer  # noqa: E402
 from selfattn.training import checkpoint  # noqa: E402
 
@@ -238,7 +238,7 @@ def test_a_run_folder_is_never_replaced_force_or_not(byte_export, tmp_path, caps
 
 
 def test_a_run_that_starts_in_the_folder_during_the_export_is_kept(byte_export, tmp_path, monkeypatch):
-    from selfattn import export as export_module
+    from selfattn.io import export as export_module
 
     run, *_ = byte_export
     out = tmp_path / "out"
@@ -266,7 +266,7 @@ def test_exporting_onto_a_live_run_kills_nothing_and_loses_nothing(byte_export, 
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     train = subprocess.Popen([sys.executable, "-m", "selfattn", "train", "--n-layer", "1", "--n-embd", "16",
                               "--n-head", "2", "--block-size", "16", "--batch-size", "4", "--max-steps", "300",
-                              "--eval-every", "300", "--eval-batches", "1", "--save-every", "1", "--keep", "2",
+                              "--eval-every", "300", "--set", "eval_batches=1", "--save-every", "1", "--set", "keep=2",
                               "--out", str(live)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
         deadline = time.monotonic() + 120

@@ -7,7 +7,8 @@ import torch
 
 from selfattn.analysis.heads import attention_maps, head_scores
 from selfattn.cli import main as cli
-from selfattn.model import GPT, GPTConfig
+from selfattn.config import GPTConfig
+from selfattn.model import GPT
 from selfattn.tokenizers import BPETokenizer
 from selfattn.training import checkpoint
 

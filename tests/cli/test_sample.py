@@ -6,15 +6,14 @@ import sys
 import pytest
 import torch
 
-from selfattn import decode_step, loading, sampling
 from selfattn.cli import main
 from selfattn.cli import sample as sample_cli
-from selfattn.model import GPT
-from selfattn.quantize import quantize_int8
+from selfattn.generation import compile_decode, compiled, generate
+from selfattn.generation.compiled import compiled_of
+from selfattn.generation.int8 import quantize_int8
+from selfattn.generation.text import stream, text_pieces
+from selfattn.io import loading
 from selfattn.tokenizers import ByteTokenizer
-
-GPT_compile_decode = GPT.compile_decode
-CompiledDecode_hidden = decode_step.CompiledDecode.hidden
 
 
 @pytest.fixture(scope="module")
@@ -22,7 +21,7 @@ def run(tmp_path_factory):
     """A micro model trained for a few steps (block_size 16, so long samples slide)."""
     out = tmp_path_factory.mktemp("sample") / "run"
     assert main(["train", "--n-layer", "1", "--n-embd", "16", "--n-head", "2", "--block-size", "16",
-                 "--batch-size", "8", "--max-steps", "4", "--eval-every", "4", "--eval-batches", "1",
+                 "--batch-size", "8", "--max-steps", "4", "--eval-every", "4", "--set", "eval_batches=1",
                  "--save-every", "4", "--lr", "1e-2", "--out", str(out)]) == 0
     return out
 
@@ -57,7 +56,7 @@ def test_streams_one_flush_per_token_and_reproduces_with_a_seed(run, monkeypatch
     assert writes[0] == "The " and writes[-1] == "\n"
     loaded = loading.load(run)
     model, tokenizer = loaded.model, loaded.tokenizer
-    tokens = list(sampling.stream(model.eval(), tokenizer.encode("The "), 40,
+    tokens = list(stream(model.eval(), tokenizer.encode("The "), 40,
                                 generator=torch.Generator().manual_seed(7), temperature=0.8))
     assert terminal.text() == "The " + tokenizer.decode(tokens) + "\n"
     assert _sample(monkeypatch, "--ckpt", str(run), "--prompt", "The ", "--max-new-tokens", "40",
@@ -76,22 +75,22 @@ def test_a_fresh_process_prints_the_same_text(run, monkeypatch):
 
 def test_characters_split_across_tokens_are_printed_whole():
     tok = ByteTokenizer()
-    pieces = list(sampling.text_pieces(tok, tok.encode("a日🎉")))
+    pieces = list(text_pieces(tok, tok.encode("a日🎉")))
     assert pieces == ["a", "", "", "日", "", "", "", "🎉"]
     naive = [bytes([t]).decode("utf-8", errors="replace") for t in tok.encode("a日🎉")]
     assert "\ufffd" in "".join(naive)  # control: decoding token by token breaks the characters
-    assert "".join(sampling.text_pieces(tok, [0x61, 0xFF, 0x62])) == "a\ufffdb"  # invalid byte
-    assert "".join(sampling.text_pieces(tok, tok.encode("日")[:2])) == "\ufffd"  # cut short at the end
+    assert "".join(text_pieces(tok, [0x61, 0xFF, 0x62])) == "a\ufffdb"  # invalid byte
+    assert "".join(text_pieces(tok, tok.encode("日")[:2])) == "\ufffd"  # cut short at the end
 
 
 def test_generation_slides_past_block_size(run):
     loaded = loading.load(run)
     model, start = loaded.model.eval(), loaded.start_token
     block = model.config.block_size
-    long = list(sampling.stream(model, [start], 3 * block, temperature=0.0))
+    long = list(stream(model, [start], 3 * block, temperature=0.0))
     assert len(long) == 3 * block
-    direct = torch.cat(list(model.generate(torch.tensor([[start]]), block, temperature=0.0))).tolist()
-    assert long[:block] == direct  # within one window, exactly model.generate
+    direct = torch.cat(list(generate(model, torch.tensor([[start]]), block, temperature=0.0))).tolist()
+    assert long[:block] == direct  # within one window, exactly generate(model, ...)
 
 
 def test_sample_from_a_checkpoint_file_and_a_torch_save_state_dict(run, monkeypatch):
@@ -161,23 +160,25 @@ def test_quantize_int8_samples_with_the_int8_model(run, monkeypatch):
     [model] = quantised
     assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())  # every projection is int8
     tokenizer = loading.load(run).tokenizer
-    tokens = list(sampling.stream(model, tokenizer.encode("The "), 30, temperature=0))
+    tokens = list(stream(model, tokenizer.encode("The "), 30, temperature=0))
     assert text == "The " + tokenizer.decode(tokens) + "\n"  # what the int8 model writes
 
 
 def test_compile_samples_the_eager_text_across_slides(run, monkeypatch):
     args = ["--ckpt", str(run), "--prompt", "The ", "--max-new-tokens", "40", "--temperature", "0"]  # block_size 16
     compiled = []
-    monkeypatch.setattr(GPT, "compile_decode", lambda model: compiled.append(model) or GPT_compile_decode(model))
+    monkeypatch.setattr(sample_cli, "compile_decode", lambda model: compiled.append(model) or compile_decode(model))
     assert _sample(monkeypatch, *args, "--compile").text() == _sample(monkeypatch, *args).text()
-    assert len(compiled) == 1 and compiled[0]._compiled is not None
+    assert len(compiled) == 1 and compiled_of(compiled[0]) is not None
 
 
 def test_compile_speculates_through_compiled_forwards_with_the_eager_text(run, monkeypatch):
     args = ["--ckpt", str(run), "--prompt", "The ", "--max-new-tokens", "12", "--temperature", "0"]
     calls = []
-    monkeypatch.setattr(decode_step.CompiledDecode, "hidden",
-                        lambda self, *a, **kw: calls.append(a) or CompiledDecode_hidden(self, *a, **kw))
+    for name in ("hidden", "logits"):  # a graph's forward, or the decode kernel's verification
+        method = getattr(compiled.CompiledDecode, name)
+        monkeypatch.setattr(compiled.CompiledDecode, name,
+                            lambda self, *a, method=method, **kw: calls.append(a) or method(self, *a, **kw))
     for how in ("lookup", f"draft:{run}"):
         speculated = _sample(monkeypatch, *args, "--speculative", how, "--compile").text()
         assert speculated == _sample(monkeypatch, *args).text() and calls

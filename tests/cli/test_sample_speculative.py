@@ -7,7 +7,7 @@ from selfattn.cli import main
 
 def _train(out, layers):
     assert main(["train", "--n-layer", str(layers), "--n-embd", "16", "--n-head", "2", "--block-size", "16",
-                 "--batch-size", "8", "--max-steps", "4", "--eval-every", "4", "--eval-batches", "1",
+                 "--batch-size", "8", "--max-steps", "4", "--eval-every", "4", "--set", "eval_batches=1",
                  "--save-every", "4", "--lr", "1e-2", "--out", str(out)]) == 0
     return str(out)
 

@@ -45,9 +45,9 @@ CASES = {  # name -> (transformers' class prefix, what it sets beyond SIZES)
 }
 
 
-def build(case: str, dtype=torch.float32, **overrides):
-    """transformers' model of ``case`` in eval mode, every weight scrambled (the same numbers for
-    every dtype: drawn in float64, then cast)."""
+def build(case: str, dtype=torch.float32, *, noise: float = 0.2, **overrides):
+    """transformers' model of ``case`` in eval mode, every weight scrambled by ``noise`` (the same numbers
+    for every dtype: drawn in float64, then cast)."""
     prefix, kw = CASES[case]
     sizes = {} if prefix == "Bloom" else SIZES
     config = getattr(transformers, f"{prefix}Config")(**{**sizes, **kw, **overrides}, attn_implementation="eager",
@@ -59,8 +59,8 @@ def build(case: str, dtype=torch.float32, **overrides):
     with torch.no_grad():
         for name, p in hf.named_parameters():
             norm = "norm" in name and name.endswith("weight")  # a norm's scale near one, its shift near zero
-            noise = torch.randn(p.shape, generator=g, dtype=torch.float64)
-            p.copy_(noise * (0.1 if norm else 0.2) + (1.0 if norm else 0.0))
+            noise_ = torch.randn(p.shape, generator=g, dtype=torch.float64)
+            p.copy_(noise_ * (noise / 2 if norm else noise) + (1.0 if norm else 0.0))
     return hf.to(dtype)
 
 

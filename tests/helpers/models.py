@@ -1,7 +1,8 @@
 """Small models shared by the model, generation and transformers tests."""
 import torch
 
-from selfattn.model import GPT, GPTConfig
+from selfattn.config import GPTConfig
+from selfattn.model import GPT
 
 BACKENDS = ["math", "sdpa", "tiled"]
 VARIANTS = {  # name -> GPTConfig overrides

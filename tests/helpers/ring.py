@@ -7,9 +7,10 @@ import torch
 import torch.distributed as dist
 
 from selfattn import attention
+from selfattn.config import GPTConfig
 from selfattn.distributed import SequenceShard, ring, ring_attention, shard_sequence, unshard_sequence
 from selfattn.distributed.launch import run_local
-from selfattn.model import GPT, GPTConfig
+from selfattn.model import GPT
 
 
 def run_ranks(job: str, world: int, **kwargs):

@@ -5,7 +5,8 @@ import pickle
 import pytest
 import torch
 
-from selfattn.model import GPT, GPTConfig
+from selfattn.config import GPTConfig
+from selfattn.model import GPT
 from selfattn.training import checkpoint
 
 CFG = GPTConfig(vocab_size=64, block_size=8, n_layer=2, n_head=2, n_embd=16)

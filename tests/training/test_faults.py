@@ -26,8 +26,8 @@ from selfattn.training.data import read_corpus
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}  # the same thread count in every process
 RUN = ["--n-layer", "1", "--n-embd", "16", "--n-head", "2", "--block-size", "16", "--batch-size", "8",
-       "--grad-accum", "2", "--warmup-steps", "2", "--eval-batches", "2", "--max-steps", "8", "--save-every", "2",
-       "--eval-every", "4", "--dropout", "0.1", "--keep", "2"]
+       "--grad-accum", "2", "--warmup-steps", "2", "--set", "eval_batches=2", "--max-steps", "8", "--save-every", "2",
+       "--eval-every", "4", "--dropout", "0.1", "--set", "keep=2"]
 
 # `selfattn train ARGS` with one fault: at the n-th call of _files.fsync on a file whose name
 # matches GLOB (inside an atomic write: the token cache, the log, a checkpoint...) or of

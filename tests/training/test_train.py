@@ -12,13 +12,14 @@ import pytest
 import torch
 
 from selfattn.cli import main
-from selfattn.model import GPT, GPTConfig
+from selfattn.config import GPTConfig
+from selfattn.model import GPT
 from selfattn.training import checkpoint
 from selfattn.training.loop import TrainConfig, lr_at
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}  # the same thread count in every process
 MICRO = ["--n-layer", "1", "--n-embd", "16", "--n-head", "2", "--block-size", "16", "--batch-size", "8",
-         "--grad-accum", "2", "--warmup-steps", "2", "--eval-batches", "2", "--keep", "3"]
+         "--grad-accum", "2", "--warmup-steps", "2", "--set", "eval_batches=2", "--set", "keep=3"]
 RESUMED = MICRO + ["--max-steps", "6", "--save-every", "2", "--eval-every", "3", "--dropout", "0.1"]
 
 # Runs `selfattn train` with the checkpoint's fsync patched to SIGKILL the process right after the
@@ -138,7 +139,8 @@ def test_two_cpu_processes_equal_one_with_the_same_global_batch(tmp_path, mode):
 def test_context_parallel_training_equals_one_process_step_for_step(tmp_path, nproc, n, pos):
     """Each sequence split over n ranks (ring attention), DDP over the rings: the same losses,
     gradient norms and weights as one process with the same global batch."""
-    flags = MICRO + ["--max-steps", "3", "--save-every", "3", "--eval-every", "3", "--lr", "1e-2", "--pos", pos]
+    flags = MICRO + ["--max-steps", "3", "--save-every", "3", "--eval-every", "3", "--lr", "1e-2",
+                     "--set", f"pos={pos}"]
     r = _torchrun("train", *flags, "--out", str(tmp_path / "cp"), "--context-parallel", str(n), nproc=nproc)
     assert r.returncode == 0, r.stderr[-3000:]
     assert f"{nproc} rank(s) ({nproc // n} x {n}: each sequence over {n})" in r.stdout
@@ -192,7 +194,7 @@ def test_a_short_run_learns(tmp_path):
     out = tmp_path / "run"
     assert main(["train", "--n-layer", "1", "--n-embd", "16", "--n-head", "2", "--block-size", "16",
                  "--batch-size", "8", "--max-steps", "40", "--lr", "2e-2", "--warmup-steps", "3",
-                 "--eval-every", "40", "--eval-batches", "4", "--save-every", "40", "--out", str(out)]) == 0
+                 "--eval-every", "40", "--set", "eval_batches=4", "--save-every", "40", "--out", str(out)]) == 0
     val = [r["val_loss"] for r in _records(out) if "val_loss" in r]
     assert val[0] > 5.4 and val[-1] < 4.0  # from uniform over 256 bytes (ln 256 = 5.55) to letter statistics
     assert (out / "loss.png").read_bytes().startswith(b"\x89PNG") and (out / "config.json").exists()
@@ -207,18 +209,36 @@ def test_lr_schedule_warms_up_then_decays_to_min_lr():
     assert lr_at(1000, cfg) == pytest.approx(0.1)  # past max_steps (a resumed, extended run) it stays at min_lr
 
 
-def test_flags_come_from_the_dataclasses_with_their_comments():
-    from selfattn.cli import build_parser
+def test_flags_come_from_the_dataclasses_with_their_help():
+    from selfattn.cli import build_parser, flags
+    from selfattn.cli.train import MODEL_FLAGS, TRAIN_FLAGS
 
     parser = build_parser(["train"])
-    args = parser.parse_args(["train", "--n-layer", "3", "--no-bias", "--window", "none", "--lr", "2e-3", "--bf16"])
-    assert (args.n_layer, args.bias, args.window, args.lr, args.bf16) == (3, False, None, 2e-3, True)
-    assert not hasattr(args, "n_head") and not hasattr(args, "vocab_size")  # only what was typed; vocab from data
+    args = parser.parse_args(["train", "--n-layer", "3", "--no-bias", "--set", "window=none", "--lr", "2e-3", "--bf16",
+                              "--set", "window_layers=[true, false, true]", "--set", "keep=4"])
+    model, training = flags.given(args, GPTConfig), flags.given(args, TrainConfig)
+    assert model == {"n_layer": 3, "bias": False, "window": None, "window_layers": [True, False, True]}
+    assert training == {"lr": 2e-3, "bf16": True, "keep": 4}  # only what was typed; vocab from data
     help_text = " ".join(parser._subparsers._group_actions[0].choices["train"].format_help().split())
-    assert "peak learning rate, reached after the warmup" in help_text
-    assert "number of transformer blocks" in help_text
+    assert "peak learning rate, reached after the warmup" in help_text  # the fields' own help
+    assert "number of transformer blocks" in help_text and "--set FIELD=VALUE" in help_text
+    train = parser._subparsers._group_actions[0].choices["train"]
+    flags_shown = [a for a in train._actions if a.option_strings]
+    assert len(flags_shown) <= len(MODEL_FLAGS) + len(TRAIN_FLAGS) + 7  # the flags people reach for, not 67
     with pytest.raises(SystemExit):
         parser.parse_args(["train", "--n-layer", "four"])
+
+
+@pytest.mark.parametrize("setting, message", [
+    ("windw=8", "--set windw=8: no field 'windw'; did you mean 'window'?"),
+    ("window", "--set takes FIELD=VALUE, got 'window'"),
+    ("window=wide", "--set window=wide: window takes int or none"),
+    ("window_layers=[1", "--set window_layers=[1: window_layers takes a JSON list or none"),
+])
+def test_set_refuses_an_unknown_field_or_a_value_in_one_line(setting, message, tmp_path, capsys):
+    assert main(["train", "--out", str(tmp_path / "run"), "--set", setting]) == 2
+    assert capsys.readouterr().err == f"selfattn train: error: {message}\n"
+    assert not (tmp_path / "run").exists()  # refused before the run folder is made
 
 
 @pytest.mark.parametrize("content, message", [
@@ -253,7 +273,7 @@ def test_resume_refusals(runs, tmp_path, capsys):
     assert main(["train", *MICRO, "--out", str(runs["whole"])]) == 2
     assert "already holds checkpoints; pass --resume" in capsys.readouterr().err
     assert main(["train", "--resume", "--n-embd", "32", "--out", str(runs["whole"])]) == 2
-    assert "--n-embd 32 differs from the checkpoint's n_embd=16" in capsys.readouterr().err
+    assert "n_embd=32 differs from the checkpoint's n_embd=16" in capsys.readouterr().err
     shutil.copytree(runs["whole"], tmp_path / "done")
     assert main(["train", "--resume", "--out", str(tmp_path / "done")]) == 0
     assert "nothing to do" in capsys.readouterr().out
@@ -266,9 +286,9 @@ def _tree(folder):
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--val-fraction", "0.5"], "--val-fraction 0.5 differs from the checkpoint's val_fraction=0.1; another split "
-                                "would move trained tokens into validation"),
-    (["--tokenizer", "bpe"], "--tokenizer 'bpe' differs from the checkpoint's tokenizer='byte'; the model's "
+    (["--set", "val_fraction=0.5"], "val_fraction=0.5 differs from the checkpoint's val_fraction=0.1; another "
+                                     "split would move trained tokens into validation"),
+    (["--tokenizer", "bpe"], "tokenizer='bpe' differs from the checkpoint's tokenizer='byte'; the model's "
                              "vocabulary and the token cache come from it"),
     (["--data", "OTHER"], "is not the one this run was trained on"),
 ])

@@ -1,0 +1,57 @@
+"""BLOOM (``model_type`` bloom): ALiBi instead of positions, LayerNorms with biases everywhere.
+
+A LayerNorm right after the token embedding (``word_embeddings_layernorm``), LayerNorm before
+attention and the MLP, biases on every projection, no position embeddings: ALiBi biases of the
+paper's slopes per head; a GELU MLP of 4C (BLOOM's tanh approximation); a tied head.
+
+Weights: the fused ``query_key_value`` interleaves q, k and v per head (rows ``(H, 3, D)``), which
+:func:`arrange` reorders into our ``(3, H, D)``; ``dense`` is ``proj``, ``dense_h_to_4h`` and
+``dense_4h_to_h`` are ``c_fc`` and ``c_proj``.
+"""
+from __future__ import annotations
+
+from torch import Tensor
+
+from selfattn import _validate
+from selfattn.config import GPTConfig
+from selfattn.families import _config, _names
+
+MODEL_TYPES = ("bloom",)
+
+BLOCK_SIZE = 2048  # BLOOM's training length; ALiBi itself sets no limit
+_DEFAULTS = dict(layer_norm_epsilon=1e-5, apply_residual_connection_post_layernorm=False,
+                 tie_word_embeddings=True)  # what transformers' BloomConfig assumes
+OUTSIDE = {"wte.weight": "transformer.word_embeddings.weight",
+           "ln_emb.weight": "transformer.word_embeddings_layernorm.weight",
+           "ln_emb.bias": "transformer.word_embeddings_layernorm.bias", "ln_f.weight": "transformer.ln_f.weight",
+           "ln_f.bias": "transformer.ln_f.bias", "lm_head.weight": "lm_head.weight"}
+IN_LAYER = {"ln_1": "input_layernorm", "ln_2": "post_attention_layernorm", "attn.qkv": "self_attention.query_key_value",
+            "attn.proj": "self_attention.dense", "mlp.c_fc": "mlp.dense_h_to_4h", "mlp.c_proj": "mlp.dense_4h_to_h"}
+
+
+@_config.naming_the_file
+def config(hf: dict) -> GPTConfig:
+    """BLOOM's decoder that ``config.json`` (the dict ``hf``) describes; ``config(hf, where)`` names the file."""
+    hf = {"n_layer": hf.get("num_hidden_layers"), "n_head": hf.get("num_attention_heads"), **hf}  # either name
+    c = _config.filled(hf, _DEFAULTS, ("vocab_size", "hidden_size", "n_layer", "n_head"))
+    if c["apply_residual_connection_post_layernorm"]:
+        raise ValueError("apply_residual_connection_post_layernorm is not supported: the residual stream carries "
+                         "each block's input, not its normed input")
+    return GPTConfig(vocab_size=c["vocab_size"], block_size=BLOCK_SIZE, n_layer=_validate.positive_int(
+                         "n_layer", c["n_layer"]), n_head=c["n_head"], n_embd=c["hidden_size"], bias=True, pos="none",
+                     alibi=True, mlp_kind="gelu", gelu_approximate="tanh", norm="layernorm",
+                     layer_norm_eps=c["layer_norm_epsilon"], embedding_norm=True,
+                     tie_embeddings=c["tie_word_embeddings"])
+
+
+def sources(key: str, config: GPTConfig) -> list[str]:
+    return _names.sources(key, config, outside=OUTSIDE, layer="transformer.h.{i}.", in_layer=IN_LAYER)
+
+
+def arrange(key: str, tensor: Tensor, config: GPTConfig) -> Tensor:
+    """Our fused qkv rows ``(3, H, D)`` from BLOOM's per-head ``(H, 3, D)``; other tensors as they are."""
+    if not key.endswith(("attn.qkv.weight", "attn.qkv.bias")):
+        return tensor
+    H = config.n_head
+    per_head = tensor.unflatten(0, (H, 3, -1))  # (H, 3, D[, C])
+    return per_head.transpose(0, 1).flatten(0, 2)  # (3·H·D[, C]) with q, k, v apart

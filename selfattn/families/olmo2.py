@@ -1,0 +1,57 @@
+"""OLMo 2 (``model_type`` olmo2): a post-norm decoder with q/k norms over the whole projection.
+
+Each sublayer's output is normed before it joins the residual stream, ``x + norm(attn(x))`` and
+``x + norm(mlp(x))``, with no norm before it; q and k are each RMS-normed over all their heads
+(H·D and Hkv·D channels) before RoPE; every RMSNorm multiplies its weight in float32 before
+the cast back; a SwiGLU MLP; an untied head.
+
+Weights: as Llama's, with ``post_attention_layernorm`` -> ``post_ln_1`` and
+``post_feedforward_layernorm`` -> ``post_ln_2``.
+"""
+from __future__ import annotations
+
+from selfattn import _validate
+from selfattn.config import GPTConfig
+from selfattn.families import _config, _names, llama
+
+MODEL_TYPES = ("olmo2",)
+
+_DEFAULTS = dict(num_key_value_heads=None, hidden_act="silu", max_position_embeddings=2048, rms_norm_eps=1e-5,
+                 tie_word_embeddings=False, attention_bias=False, rope_theta=10000.0)  # transformers' Olmo2Config
+IN_LAYER = {**llama.IN_LAYER, "post_ln_1": "post_attention_layernorm", "post_ln_2": "post_feedforward_layernorm"}
+
+
+@_config.naming_the_file
+def config(hf: dict) -> GPTConfig:
+    """OLMo 2's decoder that ``config.json`` (the dict ``hf``) describes; ``config(hf, where)`` names the file."""
+    c = _config.filled(hf, _DEFAULTS)
+    _config.silu(c)
+    n_head, n_layer = c["num_attention_heads"], _validate.positive_int("num_hidden_layers", c["num_hidden_layers"])
+    return GPTConfig(vocab_size=c["vocab_size"], block_size=c["max_position_embeddings"], n_layer=n_layer,
+                     n_head=n_head, n_embd=c["hidden_size"], n_kv_head=c["num_key_value_heads"] or n_head, bias=False,
+                     qkv_bias=c["attention_bias"], proj_bias=c["attention_bias"], pos="rope",
+                     **_config.rope(c, c["hidden_size"] // n_head), qk_norm="projection", mlp_kind="swiglu",
+                     intermediate_size=c["intermediate_size"], norm="rmsnorm", layer_norm_eps=c["rms_norm_eps"],
+                     norm_weight_in_float32=True, norm_position="post", tie_embeddings=c["tie_word_embeddings"])
+
+
+def sources(key: str, config: GPTConfig) -> list[str]:
+    return _names.sources(key, config, outside=llama.OUTSIDE, layer="model.layers.{i}.", in_layer=IN_LAYER)
+
+
+def arch(model_type: str, sizes: dict) -> dict:
+    """The :class:`GPTConfig` fields of OLMo 2's block (``sizes`` are the others')."""
+    return dict(pos="rope", norm="rmsnorm", norm_weight_in_float32=True, norm_position="post", qk_norm="projection",
+                mlp_kind="swiglu", bias=False, qkv_bias=False, proj_bias=False, tie_embeddings=False)
+
+
+def hf_config(config: GPTConfig, model_type: str) -> dict:
+    """The ``config.json`` of OLMo 2 for ``config`` (read it back with :func:`config` to know
+    whether it says all of ``config``)."""
+    c = config
+    return dict(architectures=["Olmo2ForCausalLM"], model_type=model_type, vocab_size=c.vocab_size,
+                hidden_size=c.n_embd, intermediate_size=c.intermediate_size or 4 * c.n_embd,
+                num_hidden_layers=c.n_layer, num_attention_heads=c.n_head, num_key_value_heads=c.n_kv_head or c.n_head,
+                hidden_act="silu", max_position_embeddings=c.block_size, rms_norm_eps=c.layer_norm_eps,
+                tie_word_embeddings=c.tie_embeddings, attention_bias=bool(c.qkv_bias),
+                rope_parameters={"rope_type": "default", **(c.rope_scaling or {}), "rope_theta": c.rope_base})

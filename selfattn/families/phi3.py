@@ -1,0 +1,42 @@
+"""Phi-3 (``model_type`` phi3): Llama's decoder with fused projections and LongRoPE.
+
+RMSNorm before attention and the MLP; q, k, v stored fused as ``qkv_proj`` (our layout already)
+and gate and up as ``gate_up_proj`` (gate's rows first, ours too); RoPE on the first
+``partial_rotary_factor`` of each head, scaled by ``longrope`` (short factors up to
+``original_max_position_embeddings``, long ones beyond) in the long-context models; a sliding
+window over every layer when ``sliding_window`` is set; an untied head.
+"""
+from __future__ import annotations
+
+from selfattn import _validate
+from selfattn.config import GPTConfig
+from selfattn.families import _config, _names, llama
+
+MODEL_TYPES = ("phi3",)
+
+_DEFAULTS = dict(num_key_value_heads=None, hidden_act="silu", max_position_embeddings=4096,
+                 original_max_position_embeddings=4096, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                 rope_theta=10000.0, sliding_window=None)  # what transformers' Phi3Config assumes
+IN_LAYER = {**llama.IN_LAYER, "attn.qkv": "self_attn.qkv_proj", "mlp.gate_up_proj": "mlp.gate_up_proj"}
+
+
+@_config.naming_the_file
+def config(hf: dict) -> GPTConfig:
+    """Phi-3's decoder that ``config.json`` (the dict ``hf``) describes; ``config(hf, where)`` names the file."""
+    c = _config.filled(hf, _DEFAULTS)
+    _config.silu(c)
+    params = dict(c.get("rope_scaling") or c.get("rope_parameters") or {})
+    if params.get("rope_type", params.get("type")) in ("su", "yarn"):  # older names of longrope, as transformers reads
+        params["rope_type"] = "longrope"
+    c["rope_scaling"], c["rope_parameters"] = params, None
+    n_head, n_layer = c["num_attention_heads"], _validate.positive_int("num_hidden_layers", c["num_hidden_layers"])
+    return GPTConfig(vocab_size=c["vocab_size"], block_size=c["max_position_embeddings"], n_layer=n_layer,
+                     n_head=n_head, n_embd=c["hidden_size"], n_kv_head=c["num_key_value_heads"] or n_head, bias=False,
+                     pos="rope", **_config.rope(c, c["hidden_size"] // n_head),
+                     **_config.windows(c, [True] * n_layer), mlp_kind="swiglu",
+                     intermediate_size=c["intermediate_size"], norm="rmsnorm", layer_norm_eps=c["rms_norm_eps"],
+                     tie_embeddings=c["tie_word_embeddings"])
+
+
+def sources(key: str, config: GPTConfig) -> list[str]:
+    return _names.sources(key, config, outside=llama.OUTSIDE, layer="model.layers.{i}.", in_layer=IN_LAYER)

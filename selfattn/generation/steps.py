@@ -1,0 +1,63 @@
+"""A model's decoding forwards, eager: what :func:`~selfattn.generation.generate` and speculative
+decoding call for each step, on the model's public API (:meth:`~selfattn.model.GPT.hidden`,
+:meth:`~selfattn.model.GPT.logits`).
+
+:class:`Steps` runs them as the model's modules do; :class:`~selfattn.generation.compiled.CompiledDecode`,
+the same three calls compiled (a graph, or one call of the C++ decode kernel), replaces it for a model
+given to :func:`~selfattn.generation.compiled.compile_decode`. :func:`steps_of` says which a model has.
+"""
+from __future__ import annotations
+
+import weakref
+from collections.abc import Sequence
+
+from torch import Tensor
+
+from selfattn.kv_cache import KVCache
+from selfattn.model import GPT
+
+
+class Steps:
+    """``model``'s decoding forwards, eager. Inputs are checked by the caller (``generate``)."""
+    spare = 0  # cache slots beyond those a generation fills (a compiled model's caches take one more)
+
+    def __init__(self, model: GPT):
+        self.model = model
+
+    def step(self, idx: Tensor, mask: Tensor | None, cache: Sequence[KVCache], past: int) -> Tensor:
+        """Logits ``(B, V)`` of the token after ``idx`` ``(B, T)``, whose ``past`` positions are cached:
+        the prefill, and with T = 1 a decode step."""
+        return self.model.logits(self.model.hidden(idx, mask, cache, past)[:, -1])
+
+    def logits(self, idx: Tensor, mask: Tensor | None, cache: Sequence[KVCache], past: int) -> Tensor:
+        """Logits ``(B, T, V)`` of every token of ``idx`` (a speculative verification)."""
+        return self.model.logits(self.model.hidden(idx, mask, cache, past))
+
+    def hidden(self, idx: Tensor | None, mask: Tensor | None, cache: Sequence[KVCache], past: int, *,
+               start: int = 0, stop: int | None = None, x: Tensor | None = None) -> Tensor:
+        """:meth:`~selfattn.model.GPT.hidden` of blocks ``start .. stop - 1``, ``(B, T, C)``."""
+        return self.model.hidden(idx, mask, cache, past, start=start, stop=stop, x=x)
+
+
+_compiled: weakref.WeakKeyDictionary[GPT, Steps] = weakref.WeakKeyDictionary()  # model -> its compiled steps
+
+
+def steps_of(model: GPT) -> Steps:
+    """The forwards ``model`` decodes with: its compiled ones after ``compile_decode(model)``, else eager."""
+    return _compiled.get(model) or Steps(model)
+
+
+def set_compiled(model: GPT, steps: Steps | None) -> None:
+    """Make ``steps`` ``model``'s decoding forwards (None: eager again)."""
+    if steps is None:
+        _compiled.pop(model, None)
+    else:
+        _compiled[model] = steps
+
+
+def decode_cache(model: GPT, batch_size: int, fills: int, rollback: int = 0) -> list:
+    """The caches of a generation whose last step caches ``fills`` positions; a compiled model's
+    get a slot more, which its graphs never fill (see :mod:`selfattn.generation.compiled`)."""
+    limit = model.max_positions
+    spare = steps_of(model).spare if limit is None or fills < limit else 0
+    return model.new_cache(batch_size, fills + spare, rollback=rollback)

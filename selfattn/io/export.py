@@ -1,0 +1,260 @@
+"""A trained GPT as a folder that Hugging Face ``transformers`` loads, offline.
+
+``export(gpt, tokenizer, out_dir)`` writes ``config.json``, ``model.safetensors``,
+``generation_config.json``, ``tokenizer.json`` and ``tokenizer_config.json``, so that
+``AutoModelForCausalLM.from_pretrained(DIR)``, ``AutoTokenizer.from_pretrained(DIR)`` and
+``pipeline("text-generation", model=DIR)`` work without a network, and ``selfattn sample
+--ckpt DIR`` reads the folder back (:mod:`selfattn.io.loading`).
+
+- The model becomes a ``GPT2LMHeadModel`` (:func:`selfattn.io.hf.to_hf`) when GPT-2 can say it:
+  a model without biases is the same function as a GPT-2 whose biases are all zero, and
+  exports as one. Otherwise it becomes the first family of :data:`selfattn.families.writing.ARCHS`
+  whose ``config.json`` says all of it (a run of ``selfattn train --arch llama`` is a Llama),
+  its tensors named as that family names them. A model no family can say is refused, naming
+  each field GPT-2 lacks.
+- The byte tokenizer becomes a byte-level BPE whose vocabulary is the 256 bytes and which
+  has no merges: token id = byte value, and any UTF-8 text round-trips. A BPE run exports
+  its own ``tokenizer.json``. GPT-2's ``<|endoftext|>``, when the vocabulary has it, is the
+  end-of-text token of the tokenizer and the generation config.
+
+The folder is assembled under a temporary name beside ``out_dir`` and renamed into place, so
+a kill leaves the old folder or the new one, never a mix of both. A ``selfattn train`` run
+folder (checkpoints, log or lock) is never replaced, ``force`` or not: it is checked before the
+work and again just before the rename, in case a run started there meanwhile.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from selfattn import _files
+from selfattn.families import writing
+from selfattn.io.hf import to_hf
+from selfattn.model import GPT
+from selfattn.tokenizers import BPETokenizer, ByteTokenizer
+from selfattn.tokenizers.bpe import bytes_to_unicode, import_tokenizers
+
+EOT = "<|endoftext|>"
+PROBE_TOKENS = 64  # tokens the export is checked on: its logits against ours
+RUN_FILES = ("ckpt-*.safetensors", ".lock", "log.jsonl")  # a run folder's own files: export never deletes them
+
+# GPTConfig field -> (whether GPT-2 can express the value, what GPT-2 lacks otherwise)
+_GPT2_LACKS = {
+    "pos": (lambda c: c.pos == "learned", "GPT-2 has learned absolute positions only (no rotary, no position-free)"),
+    "n_kv_head": (lambda c: c.n_kv_head in (None, c.n_head),
+                  "GPT-2 attention has one key/value head per query head, no GQA or MQA"),
+    "window": (lambda c: c.window is None, "GPT-2 attention sees every earlier token, no sliding window"),
+    "sink_tokens": (lambda c: c.sink_tokens is None, "GPT-2 has no window to keep sink tokens visible in"),
+    "alibi": (lambda c: not c.alibi, "GPT-2 adds no ALiBi distance biases to its scores"),
+    "softcap": (lambda c: c.softcap is None, "GPT-2 does not soft-cap its attention scores"),
+    "sinks": (lambda c: not c.sinks, "GPT-2's softmax has no learned sink logits"),
+    "mlp": (lambda c: c.mlp, "every GPT-2 block has an MLP; there are no attention-only blocks"),
+    "mlp_kind": (lambda c: c.mlp_kind == "gelu", "GPT-2's MLP is Linear, GELU, Linear; no gated SwiGLU"),
+    "intermediate_size": (lambda c: c.intermediate_size in (None, 4 * c.n_embd), "GPT-2's MLP is 4 * n_embd wide"),
+    "norm": (lambda c: c.norm == "layernorm", "GPT-2 normalises with LayerNorm, not RMSNorm"),
+    "head_dim": (lambda c: c.head_dim in (None, c.n_embd // c.n_head), "GPT-2's head_dim is n_embd / n_head"),
+    "tie_embeddings": (lambda c: c.tie_embeddings, "GPT-2's LM head is the token embedding (tied)"),
+}
+
+
+@dataclass
+class Exported:
+    """What :func:`export` wrote."""
+    path: Path  # the folder
+    files: list[str]  # the names of the files in it, sorted
+    architecture: str  # the transformers class the folder loads as
+    logits_error: float  # max |logit| difference, exported model vs ours, on PROBE_TOKENS tokens
+
+
+def unsupported(config) -> list[str]:
+    """Why ``config`` (a :class:`~selfattn.model.GPTConfig`) cannot be a ``GPT2LMHeadModel``:
+    one ``"field=value: reason"`` per field, empty when it can."""
+    return [f"{name}={getattr(config, name)!r}: {reason}" for name, (ok, reason) in _GPT2_LACKS.items()
+            if not ok(config)]
+
+
+def export(gpt: GPT, tokenizer: ByteTokenizer | BPETokenizer, out_dir: str | os.PathLike, *,
+           force: bool = False) -> Exported:
+    """Write ``gpt`` and ``tokenizer`` to ``out_dir`` as a ``transformers`` model folder.
+
+    An ``out_dir`` that exists and is not empty is refused unless ``force``, which replaces
+    it whole. Raises ``ValueError`` naming every field GPT-2 cannot express.
+    """
+    if not isinstance(gpt, GPT):
+        raise TypeError(f"export expects a selfattn GPT, got {type(gpt).__name__}")
+    out = Path(out_dir).absolute()
+    check_target(out, force)
+    reasons = unsupported(gpt.config)
+    family = writing.folder_config(gpt.config) if reasons else None
+    if reasons and family is None:
+        raise ValueError("cannot export to transformers' GPT2LMHeadModel: " + "; ".join(reasons) +
+                         f"; and no family of {', '.join(writing.ARCHS)} computes this config either")
+    if not isinstance(tokenizer, (ByteTokenizer, BPETokenizer)):  # a model loaded without one: architecture first
+        raise TypeError(f"export expects a ByteTokenizer or BPETokenizer, got {type(tokenizer).__name__}")
+    if tokenizer.vocab_size > gpt.config.vocab_size:
+        raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model only "
+                         f"vocab_size={gpt.config.vocab_size}")
+    eot = _eot(tokenizer)
+    hf_tokenizer = _hf_tokenizer(tokenizer, gpt.config.block_size, eot)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        hf_model = _gpt2(gpt, eot) if family is None else _write_family(gpt, *family, eot, tmp)
+        error = _logits_error(gpt, hf_model)
+        _save_quietly(hf_model if family is None else None, hf_tokenizer, tmp)
+        files = sorted(p.name for p in tmp.iterdir())
+        mode = 0o666 & ~_umask()  # what a plain open() would give: safetensors writes its file 0600
+        for name in files:
+            os.chmod(tmp / name, mode)
+            _files.fsync(tmp / name)
+        check_target(out, force)  # again: a run may have started in out_dir while the export was built
+        _replace_folder(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return Exported(out, files, type(hf_model).__name__, error)
+
+
+def byte_level_tokenizer():
+    """The byte tokenizer as a ``tokenizers.Tokenizer``: a byte-level BPE over the 256 bytes,
+    no merges, so token id = byte value."""
+    tokenizers = import_tokenizers()
+    vocab = {char: byte for byte, char in bytes_to_unicode().items()}
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = tokenizers.decoders.ByteLevel()
+    return tok
+
+
+def check_target(out_dir: str | os.PathLike, force: bool, *, flags: bool = False) -> None:
+    """Refuse an ``out_dir`` that :func:`export` must not write: a file; a ``selfattn train`` run
+    folder, or one with a run inside (any of :data:`RUN_FILES` at any depth), ``force`` or not; a
+    folder that is not empty, unless ``force``; a folder holding the current directory.
+    ``flags``: name the command's ``--out`` and ``--force`` rather than the arguments."""
+    out = Path(out_dir).absolute()
+    name, force_name = ("--out", "--force") if flags else ("out_dir", "force=True")
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"{name} {str(out)!r} is a file, not a folder")
+    if not (out.is_dir() and any(out.iterdir())):
+        return
+    run = sorted(str(p.relative_to(out)) for pattern in RUN_FILES for p in out.rglob(pattern))
+    if run:
+        raise ValueError(f"will not replace {str(out)!r}, force or not: it holds a selfattn run ("
+                         f"{', '.join(run[:3])}{', ...' if len(run) > 3 else ''}); choose another {name}")
+    if not force:
+        raise ValueError(f"{name} {str(out)!r} exists and is not empty; pass {force_name} to replace it")
+    if out == Path.cwd() or out in Path.cwd().parents:
+        raise ValueError(f"will not replace {str(out)!r}: it holds the current directory")
+
+
+def _with_zero_biases(gpt: GPT) -> GPT:
+    """``gpt`` itself when it has every bias, else the same function with every bias present and zero."""
+    cfg = gpt.config
+    if cfg.bias and cfg.qkv_bias is not False and cfg.proj_bias is not False:
+        return gpt
+    w = gpt.wte.weight
+    twin = GPT(dataclasses.replace(cfg, bias=True, qkv_bias=None, proj_bias=None)).to(device=w.device, dtype=w.dtype)
+    missing = twin.load_state_dict(gpt.state_dict(), strict=False).missing_keys
+    with torch.no_grad():
+        for name in missing:  # exactly the biases: every other tensor was loaded
+            twin.get_parameter(name).zero_()
+    return twin.train(gpt.training)
+
+
+def _gpt2(gpt: GPT, eot: int | None):
+    """``gpt`` as a ``GPT2LMHeadModel`` in eval mode, ``eot`` its generation config's special token."""
+    with torch.random.fork_rng(devices=[]):  # building the models draws initial weights: leave the caller's RNG be
+        hf_model = to_hf(_with_zero_biases(gpt)).eval()
+    hf_model.generation_config.bos_token_id = hf_model.generation_config.eos_token_id = eot
+    hf_model.generation_config.pad_token_id = eot
+    return hf_model
+
+
+def _write_family(gpt: GPT, model_type: str, hf_config: dict, eot: int | None, folder: Path):
+    """Write ``gpt`` into ``folder`` as ``model_type``'s ``config.json``, ``model.safetensors`` and
+    ``generation_config.json``; return ``transformers``' model of the folder (eager attention), read
+    back to check it."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    folder.mkdir(parents=True)
+    special = dict(bos_token_id=eot, eos_token_id=eot, pad_token_id=eot)
+    (folder / "config.json").write_text(json.dumps({**hf_config, **special, "torch_dtype": "float32"}, indent=2))
+    (folder / "generation_config.json").write_text(json.dumps(special, indent=2))
+    tensors = {name: t.detach().float().cpu() for name, t in writing.folder_tensors(model_type, gpt).items()}
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    with torch.random.fork_rng(devices=[]), _no_progress_bar():
+        return AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager").eval()
+
+
+def _eot(tokenizer) -> int | None:
+    return tokenizer.token_id(EOT) if isinstance(tokenizer, BPETokenizer) else None
+
+
+def _hf_tokenizer(tokenizer, block_size: int, eot: int | None):
+    from transformers import PreTrainedTokenizerFast
+
+    if isinstance(tokenizer, ByteTokenizer):
+        tok = byte_level_tokenizer()
+    else:
+        tok = import_tokenizers().Tokenizer.from_str(tokenizer.tok.to_str())  # a copy: the caller's stays as it is
+    special = {} if eot is None else {"bos_token": EOT, "eos_token": EOT}
+    return PreTrainedTokenizerFast(tokenizer_object=tok, model_max_length=block_size,
+                                   clean_up_tokenization_spaces=False, **special)
+
+
+@torch.no_grad()
+def _logits_error(gpt: GPT, hf_model) -> float:
+    T = min(PROBE_TOKENS, gpt.config.block_size)
+    idx = (torch.arange(T, device=gpt.wte.weight.device) * 7919 % gpt.config.vocab_size)[None]  # (1, T)
+    was = gpt.training
+    try:
+        ours = gpt.eval()(idx)[0]
+    finally:
+        gpt.train(was)
+    return float((hf_model(idx).logits - ours).abs().max())
+
+
+def _save_quietly(hf_model, hf_tokenizer, folder: Path) -> None:
+    """``save_pretrained`` of the model (None: its files are written already) and the tokenizer,
+    without transformers' progress bar (a library prints nothing)."""
+    with _no_progress_bar():
+        if hf_model is not None:
+            hf_model.save_pretrained(folder)
+        hf_tokenizer.save_pretrained(folder)
+
+
+@contextlib.contextmanager
+def _no_progress_bar():
+    """transformers' progress bars off inside, as they were after."""
+    from transformers.utils import logging
+
+    shown = logging.is_progress_bar_enabled()
+    logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if shown:
+            logging.enable_progress_bar()
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def _replace_folder(new: Path, out: Path) -> None:
+    """Rename ``new`` to ``out``; an existing ``out`` is moved aside first and removed after."""
+    old = out.with_name(f".{out.name}.old-{os.getpid()}")
+    if out.exists():
+        os.replace(out, old)
+    os.replace(new, out)
+    shutil.rmtree(old, ignore_errors=True)
+    _files.fsync(out.parent)

@@ -1,0 +1,205 @@
+"""One loader for every model path a command accepts: a run folder, a checkpoint file, a local
+folder written by ``transformers``' ``save_pretrained``, or a GGUF file of llama.cpp.
+
+- run folder of ``selfattn train``: its newest ``ckpt-*.safetensors``;
+- checkpoint file: ``ckpt-*.safetensors``, or a ``torch.save`` state dict (``.pt``, ``.pth``,
+  ``.bin``, loaded with ``weights_only=True``) beside the run's ``config.json``;
+- ``transformers`` folder (a ``config.json`` with a ``model_type``), dispatched on its
+  ``model_type``: ``gpt2`` through :func:`selfattn.io.hf.load_gpt2`, tokenizer from the folder's
+  ``tokenizer.json`` or ``vocab.json`` + ``merges.txt``; the families of :mod:`selfattn.families`
+  from ``config.json`` and ``model.safetensors`` (or its shards) by their mapping, without
+  ``transformers`` (:mod:`selfattn.io.formats.hf_folder`): the tokenizer from ``tokenizer.json`` when
+  :class:`~selfattn.tokenizers.BPETokenizer` streams it (byte-level or SentencePiece-style BPE),
+  else none (:meth:`Loaded.require_tokenizer` says so); the bos, eos and chat template beside it.
+  Any other ``model_type`` is refused, naming it and the file;
+- GGUF file (``.gguf``, or any file that starts as one; :mod:`selfattn.io.formats.gguf`): its
+  metadata as a ``config.json`` and its tensors, dequantised one at a time, by the same mapping;
+  its tokenizer, bos, eos and chat template from its metadata.
+
+A model loads whole or not at all: weights with a tensor missing or one the model lacks are
+refused, naming them. A family's weights are copied into the model one tensor at a time. Each
+file is read once and its digest checked once; nothing is ever downloaded.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from selfattn import _validate, families
+from selfattn._validate import one_line
+from selfattn.config import GPTConfig
+from selfattn.io.formats import hf_folder
+from selfattn.io.formats.jsonfile import json_object as _json_object
+from selfattn.model import GPT
+from selfattn.tokenizers import BPETokenizer, ByteTokenizer, from_spec
+from selfattn.tokenizers.chat import ChatTemplate
+from selfattn.training import checkpoint
+
+GPT2_EOT = "<|endoftext|>"  # GPT-2's end-of-text token: an empty prompt starts from it
+
+
+@dataclass
+class Loaded:
+    """A model ready to use, with what it needs to read and write text."""
+    model: GPT  # on the CPU, in training mode (call .eval() for inference)
+    tokenizer: ByteTokenizer | BPETokenizer | None  # None: the folder has none this library reads
+    start_token: int | None  # what an empty prompt starts from: a newline, <|endoftext|> or bos; None: none
+    source: Path  # the checkpoint file, transformers folder or GGUF file the weights came from
+    eos: tuple[int, ...] = ()  # the tokens that end an answer (empty: none is known)
+    chat: ChatTemplate | None = None  # how a conversation is written for this model; None: it has no template
+    no_tokenizer: str = "it reads byte-level and SentencePiece-style BPE tokenizer.json files"  # why None
+
+    def require_tokenizer(self) -> ByteTokenizer | BPETokenizer:
+        """The tokenizer; a ValueError naming the source when the model came without one."""
+        if self.tokenizer is None:
+            raise ValueError(f"{self.source} has no tokenizer selfattn can read ({self.no_tokenizer}), so this "
+                             f"model cannot encode or decode text")
+        return self.tokenizer
+
+    def require_chat(self) -> ChatTemplate:
+        """The chat template; a ValueError naming the source when the model came without one."""
+        if self.chat is None:
+            raise ValueError(f"{self.source} has no chat template (tokenizer_config.json's chat_template, "
+                             f"chat_template.jinja or a GGUF file's tokenizer.chat_template)")
+        return self.chat
+
+
+def load(path: str | os.PathLike) -> Loaded:
+    """The model at ``path`` (see the module docstring for the kinds of path).
+
+    Raises ``ValueError`` (a :class:`~selfattn.training.checkpoint.CheckpointError` for a
+    damaged file) naming the path when it holds no model this library can read.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise ValueError(f"{str(path)!r} does not exist (expected a run folder, a checkpoint file, a transformers "
+                         f"folder or a GGUF file)")
+    if path.is_file() and (path.suffix == ".gguf" or _starts_gguf(path)):
+        return _load_gguf(path)
+    if path.is_dir():
+        found = checkpoint.read_latest(path)  # checkpoints first: a run folder's config.json is our own
+        if found is None and is_transformers_folder(path):
+            return _load_transformers(path)
+        if found is None:
+            raise ValueError(f"{str(path)!r} holds no checkpoint (ckpt-*.safetensors) and no transformers config.json")
+        path, tensors, header = found
+        weights, meta = checkpoint.weights_of(tensors, header), header["meta"]
+    else:
+        weights, meta = checkpoint.read_weights(path)
+    if meta is None:  # a bare state dict: the run's config.json beside it describes the model
+        meta = _run_config(path.parent)
+    if not (isinstance(meta, dict) and isinstance(meta.get("model"), dict) and isinstance(meta.get("tokenizer"), dict)):
+        raise ValueError(f"{path}: its meta describes no model (no 'model' and 'tokenizer' entries)")
+    tokenizer = from_spec(meta["tokenizer"])
+    model = GPT(GPTConfig(**_validate.config_fields(GPTConfig, meta["model"], str(path))))
+    try:
+        model.load_state_dict(weights)
+    except RuntimeError as e:
+        raise ValueError(f"{path}: weights do not fit the configured model: {one_line(e)}") from None
+    return Loaded(model, tokenizer, _newline(tokenizer), path)
+
+
+def is_transformers_folder(path: Path) -> bool:
+    """A folder written by ``save_pretrained``: its ``config.json`` names a ``model_type``
+    (a ``config.json`` that is not a JSON object is a ValueError naming it)."""
+    config = path / "config.json"
+    return config.is_file() and "model_type" in _json_object(config)
+
+
+def _load_transformers(path: Path) -> Loaded:
+    """A ``transformers`` folder, by the ``model_type`` of its ``config.json``."""
+    config = path / "config.json"
+    model_type = _json_object(config)["model_type"]
+    if not isinstance(model_type, str) or model_type not in _FAMILIES:
+        raise ValueError(f"unsupported model_type {model_type!r} in {config}: this version loads "
+                         f"{', '.join(_FAMILIES)} folders")
+    return _FAMILIES[model_type](path)
+
+
+def _load_gpt2(path: Path) -> Loaded:
+    from selfattn.io.hf import load_gpt2
+
+    tokenizer = BPETokenizer.from_folder(path)
+    start = tokenizer.token_id(GPT2_EOT)
+    return Loaded(load_gpt2(path), tokenizer, _newline(tokenizer) if start is None else start, path)
+
+
+def _load_family(path: Path) -> Loaded:
+    """A folder of a family of :mod:`selfattn.families`: its config.json and safetensors weights,
+    mapped; its tokenizer when it is one this library reads, else None; its bos, eos, chat template."""
+    config_file = path / "config.json"
+    hf = hf_folder.config(path)
+    family = families.FAMILIES[hf["model_type"]]
+    model = _family_model(family, hf, str(config_file))
+    families.load(family, hf_folder.Safetensors(path), model, str(path))
+    tokenizer = hf_folder.tokenizer(path)
+    bos, eos = hf_folder.special_ids(path, hf, model.config.vocab_size)
+    start = bos if bos is not None else None if tokenizer is None else _newline(tokenizer)  # else from a newline
+    return Loaded(model, tokenizer, start, path, eos, hf_folder.chat_template(path))
+
+
+def _load_gguf(path: Path) -> Loaded:
+    """A GGUF file: its metadata as a config.json and its tensors, mapped by the family's mapping; its
+    tokenizer (None, saying why, when this library reads no tokenizer of its kind), bos, eos, chat template."""
+    from selfattn.io.formats import gguf
+    from selfattn.tokenizers.gguf import from_metadata
+
+    file = gguf.read(path)
+    family = families.FAMILIES[file.config["model_type"]]
+    model = _family_model(family, file.config, f"{path} (its metadata as a config.json)")
+    families.load(family, file.tensors, model, str(path))
+    try:
+        tokenizer, why = from_metadata(file.metadata), ""
+    except ValueError as e:
+        tokenizer, why = None, str(e).removeprefix(f"{path}: ")
+    vocab, meta = model.config.vocab_size, file.metadata
+    special = {name: meta.value(f"tokenizer.ggml.{name}_token_id", int, None) for name in ("bos", "eos", "eot")}
+    special = {name: i for name, i in special.items() if i is not None and 0 <= i < vocab}
+    chat = None
+    if tokenizer is not None and "tokenizer.chat_template" in meta:
+        names = {f"{name}_token": tokenizer.tok.id_to_token(i) for name, i in special.items() if name != "eot"}
+        chat = ChatTemplate(meta.value("tokenizer.chat_template", str), names, f"{path} (tokenizer.chat_template)")
+    start = special.get("bos", None if tokenizer is None else _newline(tokenizer))
+    eos = tuple(dict.fromkeys(special[name] for name in ("eos", "eot") if name in special))
+    return Loaded(model, tokenizer, start, path, eos, chat, why or Loaded.no_tokenizer)
+
+
+def _starts_gguf(path: Path) -> bool:
+    """Whether the file starts as a GGUF file does, whatever its name."""
+    with open(path, "rb") as f:
+        return f.read(4) == b"GGUF"
+
+
+def _family_model(family, hf: dict, where: str) -> GPT:
+    """The decoder ``hf`` (a config.json dict, read from ``where``) describes, its weights allocated
+    and left for the loader to fill (every one of them: :func:`selfattn.families.load`)."""
+    config = family.config(hf, where)
+    try:
+        return GPT.empty(config)
+    except (TypeError, ValueError) as e:  # sizes the attention refuses (heads, window)
+        raise type(e)(f"{where}: {e}") from None
+
+
+_FAMILIES = {"gpt2": _load_gpt2} | dict.fromkeys(families.FAMILIES, _load_family)  # model_type -> loader of its folders
+
+
+def _newline(tokenizer: ByteTokenizer | BPETokenizer) -> int | None:
+    """The first token of "\\n", or None when the tokenizer has no way to write a newline."""
+    ids = tokenizer.encode("\n")
+    return ids[0] if ids else None
+
+
+def _run_config(folder: Path) -> dict:
+    """The model config and tokenizer of the run in ``folder``, from its config.json."""
+    config = folder / "config.json"
+    if not config.is_file():
+        raise ValueError(f"a bare state dict needs the run's config.json beside it; none in {str(folder)!r}")
+    run = _json_object(config)
+    if not isinstance(run.get("model"), dict) or not isinstance(run.get("train"), dict):
+        raise ValueError(f"{config}: not the config.json of a selfattn run (no 'model' and 'train' objects)")
+    if run["train"].get("tokenizer", "byte") == "byte":
+        return {"model": run["model"], "tokenizer": {"kind": "byte"}}
+    if not (folder / "tokenizer.json").is_file():
+        raise ValueError(f"{config} names a BPE tokenizer, but there is no tokenizer.json beside it")
+    return {"model": run["model"], "tokenizer": {"kind": "bpe", "json": (folder / "tokenizer.json").read_text()}}

@@ -1,0 +1,215 @@
+"""The decode kernel: a pre-norm decoder's step (Llama's, GPT-2's and the families between) as one
+C++ call gives the model's own logits and caches, in every build this CPU runs, and serves
+compile_decode where it can."""
+import copy
+import dataclasses
+import re
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from selfattn.config import GPTConfig
+from selfattn.generation import compile_decode, decode_layout, generate, kernel_step
+from selfattn.generation.compiled import compiled_of
+from selfattn.generation.int8 import quantize_int8
+from selfattn.generation.kernel_step import KernelStep, unsupported
+from selfattn.generation.layout import RowLinear
+from selfattn.generation.speculative import Speculative
+from selfattn.generation.steps import Steps
+from selfattn.kernels import features, stream
+from selfattn.model import GPT
+from tests.helpers.models import assert_same_logits, left_pad, scrambled, small
+
+LLAMA = {"pos": "rope", "norm": "rmsnorm", "mlp_kind": "swiglu", "intermediate_size": 48, "head_dim": 16,
+         "n_kv_head": 2, "tie_embeddings": False, "block_size": 300}
+GPT2 = {"pos": "learned", "norm": "layernorm", "mlp_kind": "gelu", "bias": True, "n_kv_head": None, "head_dim": None,
+        "intermediate_size": None, "tie_embeddings": True}  # over LLAMA: GPTConfig's defaults, with biases
+VARIANTS = {
+    "gqa": LLAMA,
+    "tied-mqa": LLAMA | {"n_kv_head": 1, "tie_embeddings": True},
+    "partial-rotary-llama3": LLAMA | {"rope_dims": 8, "rope_base": 500000.0, "rope_scaling": {
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 32}},
+    "qwen2-qkv-biases": LLAMA | {"qkv_bias": True},
+    "gpt2": GPT2,
+    "layernorm-geglu-erf-no-positions": LLAMA | {"pos": "none", "norm": "layernorm", "mlp_kind": "geglu",
+                                                 "gelu_approximate": "none"},
+}
+BUILDS = [isa for isa in features.instruction_sets() if stream.failure(isa) is None]
+
+
+def llama(seed: int = 0, **config) -> GPT:
+    torch.manual_seed(seed)
+    return decode_layout(scrambled(small(**(LLAMA | config))), one_row="stream", few_rows="stream")
+
+
+def steps(model: GPT, step, idx, prompt: int, n: int):
+    """(logits (B, n, V), caches) of ``step`` fed ``idx`` ``(B, prompt + n)`` one token at a time after the prompt."""
+    cache = model.new_cache(idx.shape[0], prompt + n)
+    with torch.inference_mode():
+        model.hidden(idx[:, :prompt], None, cache, 0)
+        logits = torch.cat([step(idx[:, p:p + 1], cache, p) for p in range(prompt, prompt + n)], 1)
+    return logits, cache
+
+
+def eager_step(model: GPT):
+    return lambda idx, cache, past: Steps(model).step(idx, None, cache, past)[:, None]
+
+
+@pytest.mark.parametrize("isa", BUILDS)
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_kernel_steps_give_the_models_logits_and_caches(isa, variant):
+    model = llama(1, **VARIANTS[variant])
+    idx = torch.randint(61, (2, 150), generator=torch.Generator().manual_seed(1))  # past 128 keys: two runs
+    ours, our_cache = steps(model, KernelStep(model, isa=isa), idx, 140, 10)
+    theirs, their_cache = steps(model, eager_step(model), idx, 140, 10)
+    assert_same_logits(ours, theirs)
+    for a, b in zip(our_cache, their_cache):
+        assert a.length == b.length == 150
+        assert_same_logits(a.k, b.k), assert_same_logits(a.v, b.v)  # up to the order of the products' sums
+
+
+@pytest.mark.parametrize("isa", BUILDS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("variant", ["gqa", "gpt2"])
+def test_half_precision_steps_round_no_worse_than_eager(isa, dtype, variant):
+    """Each rounding held against the float32 model: the kernel's error at most twice eager's plus 2%
+    of the logits' range (the rule of the low-precision tests)."""
+    reference = llama(2, **VARIANTS[variant])
+    model = decode_layout(llama(2, **VARIANTS[variant]).to(dtype), one_row="stream", few_rows="stream")
+    idx = torch.randint(61, (1, 40), generator=torch.Generator().manual_seed(2))
+    exact, _ = steps(reference, eager_step(reference), idx, 30, 10)
+    ours, _ = steps(model, KernelStep(model, isa=isa), idx, 30, 10)
+    eager, _ = steps(model, eager_step(model), idx, 30, 10)
+    err = {name: (x.float() - exact).abs().max().item() for name, x in (("kernel", ours), ("eager", eager))}
+    assert ours.dtype == dtype and err["kernel"] <= 2 * err["eager"] + 0.02 * exact.abs().max().item(), err
+
+
+@pytest.mark.parametrize("variant", ["gqa", "gpt2"])
+@pytest.mark.parametrize("layout", ["stream", "linear"])
+def test_int8_weights_step_as_the_quantised_model(variant, layout):
+    """Quantised after a layout for another one-row form too, which stores the embedding in columns."""
+    model = quantize_int8(decode_layout(llama(3, **VARIANTS[variant]), one_row=layout, few_rows=layout))
+    assert layout == "stream" or not model.wte.weight.is_contiguous()
+    idx = torch.randint(61, (3, 20), generator=torch.Generator().manual_seed(3))
+    assert_same_logits(steps(model, KernelStep(model), idx, 12, 8)[0], steps(model, eager_step(model), idx, 12, 8)[0])
+
+
+def test_a_model_quantised_between_generations_decodes_as_it_is_now():
+    """The kernel gathers the weights once per cache (a generation's): the next cache reads them anew."""
+    model, eager = llama(3), llama(3)
+    step = KernelStep(model)
+    idx = torch.randint(61, (1, 16), generator=torch.Generator().manual_seed(3))
+    assert_same_logits(steps(model, step, idx, 10, 6)[0], steps(eager, eager_step(eager), idx, 10, 6)[0])
+    quantize_int8(model), quantize_int8(eager)
+    ours, theirs = steps(model, step, idx, 10, 6)[0], steps(eager, eager_step(eager), idx, 10, 6)[0]
+    assert_same_logits(ours, theirs)
+    assert not torch.equal(ours, steps(llama(3), eager_step(llama(3)), idx, 10, 6)[0])  # control: int8 changed them
+
+
+@pytest.mark.parametrize("variant", ["gqa", "gpt2"])
+def test_compile_decode_generates_through_the_kernel_without_a_graph(variant):
+    eager, compiled = llama(4, **VARIANTS[variant]), compile_decode(llama(4, **VARIANTS[variant]))
+    assert compiled_of(compiled).kernel is not None
+    idx = torch.randint(61, (2, 9), generator=torch.Generator().manual_seed(4))
+    before = counters["stats"]["unique_graphs"]
+    for sample in ({"temperature": 0.0}, {"temperature": 0.9, "top_k": 20}):
+        runs = [torch.stack(list(generate(m, idx, 30, generator=torch.Generator().manual_seed(5), **sample)), 1)
+                for m in (eager, compiled)]
+        assert torch.equal(runs[1], runs[0])
+    assert counters["stats"]["unique_graphs"] == before
+
+
+def test_a_model_training_with_dropout_steps_as_it_is():
+    model = compile_decode(llama(dropout=0.1))
+    assert compiled_of(model).kernel.serves(None, [])
+    model.train()
+    assert not compiled_of(model).kernel.serves(None, [])  # dropout is drawn: the graph's step, not the kernel's
+
+
+def test_padded_rows_step_through_the_graph_as_eager():
+    eager, compiled = llama(5), compile_decode(llama(5))
+    idx, mask = left_pad([torch.randint(61, (n,), generator=torch.Generator().manual_seed(n)) for n in (3, 8)])
+    assert not compiled_of(compiled).kernel.serves(torch.ones(2, 9, dtype=torch.bool), [])
+    runs = [torch.stack(list(generate(m, idx, 10, temperature=0.0, attention_mask=mask))) for m in (eager, compiled)]
+    assert torch.equal(runs[1], runs[0])
+
+
+@pytest.mark.parametrize(("change", "why"), [
+    (lambda m: llama(embedding_norm=True), "its embedding has a norm"),  # BLOOM
+    (lambda m: llama(norm_offset=1.0), "its norms are not all RMSNorm (without offset) or all LayerNorm"),  # Gemma
+    (lambda m: llama(window=8), "layer 0 has a window"),
+    (lambda m: llama(mlp_kind="moe", n_experts=2), "layer 0 has no MLP of SiLU or GELU"),  # gpt-oss
+    (lambda m: llama(pos="none", alibi=True), "layer 0 has a window, ALiBi"),
+    (lambda m: llama(norm_position="sandwich"), "layer 0 norms its sublayers' outputs"),  # Gemma 2, OLMo 2
+    (lambda m: m.double(), "the model is torch.float64"),
+    (lambda m: decode_layout(m, one_row="mv"), "its one-row products are not the stream kernel's (mv"),
+    (lambda m: scrambled(small(**LLAMA)), "its one-row products are not the stream kernel's (nn.Linear"),
+])
+def test_models_it_cannot_run_are_named_with_the_reason(change, why):
+    model = change(llama())
+    assert why in unsupported(model)
+    with pytest.raises(ValueError, match=f"^the decode kernel cannot run this model: .*{re.escape(why)}"):
+        KernelStep(model)
+    if model.blocks[0].attn.window is None and any(type(m) is RowLinear for m in model.modules()):
+        assert compiled_of(compile_decode(model)).kernel is None  # its steps stay graphs
+
+
+def test_compile_decode_alone_gives_the_kernel_where_it_serves():  # the one call of the fast path
+    eager = scrambled(small(**LLAMA))
+    fast = compile_decode(copy.deepcopy(eager))  # not laid out: compile_decode lays the weights out itself
+    assert compiled_of(fast).kernel is not None
+    idx = torch.randint(61, (1, 7), generator=torch.Generator().manual_seed(3))
+    assert torch.equal(torch.stack(list(generate(fast, idx, 12, temperature=0))),
+                       torch.stack(list(generate(eager, idx, 12, temperature=0))))
+
+
+def test_every_config_field_is_handled_by_the_kernel_or_refused():
+    fields = [f.name for f in dataclasses.fields(GPTConfig)]
+    assert sorted(kernel_step.HANDLED + kernel_step.REFUSED) == sorted(fields)  # a new field must be placed
+    assert not set(kernel_step.HANDLED) & set(kernel_step.REFUSED)
+
+
+@pytest.mark.parametrize("name", kernel_step.REFUSED)
+def test_a_refused_field_away_from_its_default_keeps_the_model_off_the_kernel(name):
+    model = llama()
+    assert unsupported(model) is None  # control: the default serves
+    setattr(model.config, name, "some value the kernel never saw")
+    assert unsupported(model) == (f"its config sets {name}='some value the kernel never saw', which the kernel "
+                                  f"does not compute")
+
+
+def test_without_the_kernels_build_compile_decode_keeps_graphs(monkeypatch):
+    model = llama()
+    monkeypatch.setattr(stream, "failure", lambda isa=None: "no C++ compiler found")
+    assert unsupported(model) == "the kernel did not build here (no C++ compiler found)"
+    assert compiled_of(compile_decode(model)).kernel is None
+
+
+@pytest.mark.parametrize("isa", BUILDS)
+def test_several_tokens_at_once_give_the_models_logits(isa):
+    """A speculative verification: T tokens a row, causal among themselves, after the cached ones."""
+    model = llama(6)
+    idx = torch.randint(61, (2, 135), generator=torch.Generator().manual_seed(6))
+    with torch.inference_mode():
+        caches = model.new_cache(2, 140), model.new_cache(2, 140)
+        for cache in caches:
+            model.hidden(idx[:, :125], None, cache, 0)  # the 5 fed tokens straddle the keys' first run of 128
+        ours = KernelStep(model, isa=isa)(idx[:, 125:130], caches[0], 125)  # (B, 5, V)
+        theirs = model.logits(model.hidden(idx[:, 125:130], None, caches[1], 125))
+    assert ours.shape == (2, 5, 61) and caches[0][1].length == 130
+    assert_same_logits(ours, theirs)
+
+
+def test_speculative_verifications_run_on_the_kernel_with_the_eager_tokens():
+    eager, compiled = llama(7), compile_decode(llama(7))
+    prompt = torch.randint(61, (1, 6), generator=torch.Generator().manual_seed(7)).repeat(1, 4)  # text to look up
+    before = counters["stats"]["unique_graphs"]
+    for sample in ({"temperature": 0.0}, {"temperature": 0.9, "top_k": 20}):
+        specs = [Speculative("lookup", k=2, max_k=6, ngram=1) for _ in range(2)]
+        runs = [torch.stack(list(generate(m, prompt, 20, speculative=spec, generator=torch.Generator().manual_seed(8),
+                                            **sample)), 1) for m, spec in zip((eager, compiled), specs)]
+        assert torch.equal(runs[1], runs[0])
+        assert specs[1].stats == specs[0].stats and specs[0].stats.drafted > 0
+    assert counters["stats"]["unique_graphs"] == before  # every forward was the kernel's
