@@ -26,6 +26,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from selfattn import _validate, families
 from selfattn._validate import one_line
 from selfattn.config import GPTConfig
@@ -49,6 +51,7 @@ class Loaded:
     eos: tuple[int, ...] = ()  # the tokens that end an answer (empty: none is known)
     chat: ChatTemplate | None = None  # how a conversation is written for this model; None: it has no template
     no_tokenizer: str = "it reads byte-level and SentencePiece-style BPE tokenizer.json files"  # why None
+    bos: int | None = None  # the beginning-of-sequence token the source declares (None: none)
 
     def require_tokenizer(self) -> ByteTokenizer | BPETokenizer:
         """The tokenizer; a ValueError naming the source when the model came without one."""
@@ -69,9 +72,25 @@ def load(path: str | os.PathLike) -> Loaded:
     """The model at ``path`` (see the module docstring for the kinds of path).
 
     Raises ``ValueError`` (a :class:`~selfattn.training.checkpoint.CheckpointError` for a
-    damaged file) naming the path when it holds no model this library can read.
+    damaged file) naming the path when it holds no model this library can read, and naming the
+    tensor when a weight is NaN or infinite (a damaged file, a NaN quantisation scale): checked
+    once, here, so no command samples from or audits such a model.
     """
-    path = Path(path)
+    loaded = _read(Path(path))
+    _check_finite(loaded.model, loaded.source)
+    return loaded
+
+
+def _check_finite(model: GPT, source: Path) -> None:
+    for name, tensor in model.state_dict().items():
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            bad = int((~torch.isfinite(tensor)).sum())
+            raise ValueError(f"{source}: the weights hold {bad} NaN or infinite value{'s' * (bad > 1)} in {name} "
+                             f"{tuple(tensor.shape)}; the file is damaged")
+
+
+def _read(path: Path) -> Loaded:
+    """The model at ``path``, as read (:func:`load` checks it)."""
     if not path.exists():
         raise ValueError(f"{str(path)!r} does not exist (expected a run folder, a checkpoint file, a transformers "
                          f"folder or a GGUF file)")
@@ -136,7 +155,7 @@ def _load_family(path: Path) -> Loaded:
     tokenizer = hf_folder.tokenizer(path)
     bos, eos = hf_folder.special_ids(path, hf, model.config.vocab_size)
     start = bos if bos is not None else None if tokenizer is None else _newline(tokenizer)  # else from a newline
-    return Loaded(model, tokenizer, start, path, eos, hf_folder.chat_template(path))
+    return Loaded(model, tokenizer, start, path, eos, hf_folder.chat_template(path), bos=bos)
 
 
 def _load_gguf(path: Path) -> Loaded:
@@ -162,7 +181,7 @@ def _load_gguf(path: Path) -> Loaded:
         chat = ChatTemplate(meta.value("tokenizer.chat_template", str), names, f"{path} (tokenizer.chat_template)")
     start = special.get("bos", None if tokenizer is None else _newline(tokenizer))
     eos = tuple(dict.fromkeys(special[name] for name in ("eos", "eot") if name in special))
-    return Loaded(model, tokenizer, start, path, eos, chat, why or Loaded.no_tokenizer)
+    return Loaded(model, tokenizer, start, path, eos, chat, why or Loaded.no_tokenizer, bos=special.get("bos"))
 
 
 def _starts_gguf(path: Path) -> bool:

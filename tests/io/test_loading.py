@@ -219,3 +219,38 @@ def test_gpt2_weights_named_without_the_transformer_prefix_still_load(tmp_path):
     ids = torch.tensor([[5, 9, 30, 7]])
     hf = transformers.GPT2LMHeadModel.from_pretrained(folder, local_files_only=True).eval()
     torch.testing.assert_close(loading.load(folder).model.eval()(ids)[0], hf(ids).logits, atol=1e-5, rtol=1e-5)
+
+
+def _poison(file, name: str, value: float) -> None:
+    """Set one entry of the tensor ``name`` of a safetensors ``file`` to ``value``, its header kept."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(file)
+    tensors[name].view(-1)[3] = value
+    save_file(tensors, file, metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_a_non_finite_weight_is_refused_at_load_naming_the_tensor(tmp_path, capsys, value):
+    folder = gpt2_folder(tmp_path / "gpt2")
+    assert loading.load(folder).model is not None  # control: the undamaged folder loads
+    _poison(folder / "model.safetensors", "transformer.wte.weight", value)
+    with pytest.raises(ValueError, match=r"the weights hold 1 NaN or infinite value in wte.weight \(\d+, 16\); "
+                                         r"the file is damaged"):
+        loading.load(folder)
+    capsys.readouterr()
+    for command in (["sample", "--prompt", "the"], ["explore", "--text", "the cat", "--out", str(tmp_path / "p.html")]):
+        assert main([command[0], "--ckpt", str(folder), *command[1:]]) == 2  # not "attends to future keys"
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "NaN or infinite" in err, err
+    assert not (tmp_path / "p.html").exists()
+
+
+def test_a_non_finite_weight_in_a_run_checkpoint_is_refused(run, tmp_path):
+    _, _, header = checkpoint.read_latest(run)
+    model = loading.load(run).model
+    with torch.no_grad():
+        model.blocks[0].mlp.c_fc.weight[0, 0] = float("nan")  # a run whose weights went NaN, saved as they were
+    checkpoint.save(tmp_path, 4, model, torch.optim.AdamW(model.parameters()), meta=header["meta"], keep=1)
+    with pytest.raises(ValueError, match=r"NaN or infinite value in blocks.0.mlp.c_fc.weight"):
+        loading.load(tmp_path)
