@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from selfattn.io.export import PROBE_TOKENS, check_target, export
+from selfattn.io.export import PROBE_TOKENS, Special, check_target, export
 from selfattn.io.loading import load
 
 
@@ -32,7 +32,8 @@ def main(args: argparse.Namespace) -> int:
     loaded = load(args.ckpt)
     if out == loaded.source or out in loaded.source.absolute().parents:
         raise ValueError(f"--out {args.out!r} holds the model being exported ({loaded.source}); choose another folder")
-    done = export(loaded.model, loaded.require_tokenizer(), out, force=args.force)
+    done = export(loaded.model, loaded.require_tokenizer(), out, force=args.force,
+                  special=Special(loaded.bos, loaded.eos, loaded.chat and loaded.chat.source))
     cfg = loaded.model.config
     print(f"selfattn export: {loaded.source} -> {args.out}")
     print(f"  {done.architecture}: {cfg.n_layer} layers x {cfg.n_head} heads, C={cfg.n_embd}, "

@@ -65,6 +65,15 @@ _GPT2_LACKS = {
 
 
 @dataclass
+class Special:
+    """The special tokens and chat template an export carries from its source (a folder, a GGUF file):
+    ``bos`` and ``eos`` ids (None and () when the source declares none), the chat template's text."""
+    bos: int | None = None
+    eos: tuple[int, ...] = ()
+    chat_template: str | None = None
+
+
+@dataclass
 class Exported:
     """What :func:`export` wrote."""
     path: Path  # the folder
@@ -81,11 +90,13 @@ def unsupported(config) -> list[str]:
 
 
 def export(gpt: GPT, tokenizer: ByteTokenizer | BPETokenizer, out_dir: str | os.PathLike, *,
-           force: bool = False) -> Exported:
+           force: bool = False, special: Special | None = None) -> Exported:
     """Write ``gpt`` and ``tokenizer`` to ``out_dir`` as a ``transformers`` model folder.
 
-    An ``out_dir`` that exists and is not empty is refused unless ``force``, which replaces
-    it whole. Raises ``ValueError`` naming every field GPT-2 cannot express.
+    ``special``: the source's bos and eos tokens and chat template, written into ``config.json``,
+    ``generation_config.json`` and the tokenizer's files; None: a run's own, ``<|endoftext|>`` as
+    both where the tokenizer has it. An ``out_dir`` that exists and is not empty is refused unless
+    ``force``, which replaces it whole. Raises ``ValueError`` naming every field GPT-2 cannot express.
     """
     if not isinstance(gpt, GPT):
         raise TypeError(f"export expects a selfattn GPT, got {type(gpt).__name__}")
@@ -101,12 +112,12 @@ def export(gpt: GPT, tokenizer: ByteTokenizer | BPETokenizer, out_dir: str | os.
     if tokenizer.vocab_size > gpt.config.vocab_size:
         raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model only "
                          f"vocab_size={gpt.config.vocab_size}")
-    eot = _eot(tokenizer)
-    hf_tokenizer = _hf_tokenizer(tokenizer, gpt.config.block_size, eot)
+    special = special or _run_special(tokenizer)
+    hf_tokenizer = _hf_tokenizer(tokenizer, gpt.config.block_size, special)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        hf_model = _gpt2(gpt, eot) if family is None else _write_family(gpt, *family, eot, tmp)
+        hf_model = _gpt2(gpt, special) if family is None else _write_family(gpt, *family, special, tmp)
         error = _logits_error(gpt, hf_model)
         _save_quietly(hf_model if family is None else None, hf_tokenizer, tmp)
         files = sorted(p.name for p in tmp.iterdir())
@@ -167,16 +178,17 @@ def _with_zero_biases(gpt: GPT) -> GPT:
     return twin.train(gpt.training)
 
 
-def _gpt2(gpt: GPT, eot: int | None):
-    """``gpt`` as a ``GPT2LMHeadModel`` in eval mode, ``eot`` its generation config's special token."""
+def _gpt2(gpt: GPT, special: Special):
+    """``gpt`` as a ``GPT2LMHeadModel`` in eval mode, ``special`` its configs' special tokens."""
     with torch.random.fork_rng(devices=[]):  # building the models draws initial weights: leave the caller's RNG be
         hf_model = to_hf(_with_zero_biases(gpt)).eval()
-    hf_model.generation_config.bos_token_id = hf_model.generation_config.eos_token_id = eot
-    hf_model.generation_config.pad_token_id = eot
+    for config in (hf_model.config, hf_model.generation_config):
+        for name, value in _special_ids(special).items():
+            setattr(config, name, value)
     return hf_model
 
 
-def _write_family(gpt: GPT, model_type: str, hf_config: dict, eot: int | None, folder: Path):
+def _write_family(gpt: GPT, model_type: str, hf_config: dict, special: Special, folder: Path):
     """Write ``gpt`` into ``folder`` as ``model_type``'s ``config.json``, ``model.safetensors`` and
     ``generation_config.json``; return ``transformers``' model of the folder (eager attention), read
     back to check it."""
@@ -184,29 +196,42 @@ def _write_family(gpt: GPT, model_type: str, hf_config: dict, eot: int | None, f
     from transformers import AutoModelForCausalLM
 
     folder.mkdir(parents=True)
-    special = dict(bos_token_id=eot, eos_token_id=eot, pad_token_id=eot)
-    (folder / "config.json").write_text(json.dumps({**hf_config, **special, "torch_dtype": "float32"}, indent=2))
-    (folder / "generation_config.json").write_text(json.dumps(special, indent=2))
+    ids = _special_ids(special)
+    (folder / "config.json").write_text(json.dumps({**hf_config, **ids, "torch_dtype": "float32"}, indent=2))
+    (folder / "generation_config.json").write_text(json.dumps(ids, indent=2))
     tensors = {name: t.detach().float().cpu() for name, t in writing.folder_tensors(model_type, gpt).items()}
     save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
     with torch.random.fork_rng(devices=[]), _no_progress_bar():
         return AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager").eval()
 
 
-def _eot(tokenizer) -> int | None:
-    return tokenizer.token_id(EOT) if isinstance(tokenizer, BPETokenizer) else None
+def _run_special(tokenizer) -> Special:
+    """A run's special tokens: ``<|endoftext|>`` as bos and eos where its tokenizer has it."""
+    eot = tokenizer.token_id(EOT) if isinstance(tokenizer, BPETokenizer) else None
+    return Special() if eot is None else Special(eot, (eot,))
 
 
-def _hf_tokenizer(tokenizer, block_size: int, eot: int | None):
+def _special_ids(special: Special) -> dict:
+    """The configs' ``bos_token_id``, ``eos_token_id`` (a list when several end an answer) and ``pad_token_id``."""
+    eos = special.eos[0] if len(special.eos) == 1 else list(special.eos) or None
+    return dict(bos_token_id=special.bos, eos_token_id=eos, pad_token_id=special.eos[0] if special.eos else None)
+
+
+def _hf_tokenizer(tokenizer, block_size: int, special: Special):
     from transformers import PreTrainedTokenizerFast
 
     if isinstance(tokenizer, ByteTokenizer):
         tok = byte_level_tokenizer()
     else:
         tok = import_tokenizers().Tokenizer.from_str(tokenizer.tok.to_str())  # a copy: the caller's stays as it is
-    special = {} if eot is None else {"bos_token": EOT, "eos_token": EOT}
+    names = {}
+    if isinstance(tokenizer, BPETokenizer):  # the tokens' text, as tokenizer_config.json names them
+        names = {key: tokenizer.tok.id_to_token(i) for key, i in (("bos_token", special.bos),
+                 ("eos_token", special.eos[0] if special.eos else None)) if i is not None}
+    if special.chat_template is not None:
+        names["chat_template"] = special.chat_template
     return PreTrainedTokenizerFast(tokenizer_object=tok, model_max_length=block_size,
-                                   clean_up_tokenization_spaces=False, **special)
+                                   clean_up_tokenization_spaces=False, **names)
 
 
 @torch.no_grad()

@@ -1,6 +1,7 @@
 """A real model, offline: SmolLM2-135M-Instruct as a Q4_1 GGUF file loads with its tokenizer and
 chat template, and computes, tokenizes and renders what transformers does from the same file; the
 commands run on it, and asked for the capital of France it answers Paris."""
+import json
 import os
 
 os.environ["HF_HUB_OFFLINE"] = "1"
@@ -9,7 +10,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 import transformers  # noqa: E402
 
-from benchmarks.cli import run as bench
+from benchmarks.cli import run as bench  # noqa: E402
 from selfattn.cli import main  # noqa: E402
 from selfattn.generation import generate  # noqa: E402
 from selfattn.generation.text import text_pieces  # noqa: E402
@@ -106,6 +107,24 @@ def test_sample_chat_answers_paris_and_stops_at_eos(capsys):
                  "--max-new-tokens", "8"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("The capital of France is") and len(out) > len("The capital of France is") + 5
+
+
+@pytest.mark.slow
+def test_an_export_carries_the_files_special_tokens_and_chat_template(tmp_path, capsys):
+    out = tmp_path / "hf"
+    assert main(["export", "--ckpt", str(smollm2()), "--out", str(out)]) == 0
+    config, tokenizer = (json.loads((out / name).read_text()) for name in ("config.json", "tokenizer_config.json"))
+    assert (config["bos_token_id"], config["eos_token_id"]) == (1, 2)  # the GGUF's, not <|endoftext|> = 0
+    assert (tokenizer["bos_token"], tokenizer["eos_token"]) == ("<|im_start|>", "<|im_end|>")
+    hf = transformers.AutoTokenizer.from_pretrained(out)
+    chat = [{"role": "user", "content": "hi"}]
+    assert hf.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == \
+        loading.load(smollm2()).chat.render(chat, add_generation_prompt=True)  # the file's template
+    capsys.readouterr()
+    assert main(["sample", "--ckpt", str(out), "--chat", "What is the capital of France?", "--temperature", "0",
+                 "--max-new-tokens", "40"]) == 0
+    answer = capsys.readouterr().out
+    assert "Paris" in answer and "<|im_end|>" not in answer and len(answer) < 120, answer  # it stops at the end
 
 
 @pytest.mark.slow
