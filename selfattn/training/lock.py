@@ -6,6 +6,10 @@ PID and host). A second process finds the lock taken and stops with :class:`RunF
 kernel releases a flock when its process ends, however it ends, so the lock of a killed run
 is stale by construction: the next run takes it over and writes its own PID.
 
+A folder that holds anything but a run (a ``transformers`` folder ``selfattn export`` wrote, a
+project with its own ``config.json``) is refused before anything is written there
+(:class:`NotARunFolder`): a run would replace its ``config.json``.
+
 ``hold`` nests within a process (the command holds the folder while it reads the configs,
 :func:`~selfattn.training.loop.train` holds it again), and under ``torchrun`` only rank 0
 takes it: the other ranks write nothing in the run folder. The folder must be on a local
@@ -15,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import json
 import os
 import socket
 from collections.abc import Iterator
@@ -30,6 +35,33 @@ class RunFolderInUse(OSError):
     """Another process holds the run folder; the message names its PID."""
 
 
+class NotARunFolder(ValueError):
+    """The folder is neither empty nor a run of ``selfattn train``; the message names what it holds."""
+
+
+RUN_MARKS = ("ckpt-*.safetensors", "log.jsonl", NAME, "tokens/meta.json")  # files only a run writes
+
+
+def check_run_folder(run_dir: str | os.PathLike) -> None:
+    """Refuse ``run_dir`` when it exists, is not empty and is not a run: none of :data:`RUN_MARKS`, and no
+    ``config.json`` of a run (an object with its ``model`` and ``train`` configs)."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir() or not any(run_dir.iterdir()):
+        return
+    if any(next(run_dir.glob(mark), None) is not None for mark in RUN_MARKS):
+        return
+    try:
+        config = json.loads((run_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        config = None
+    if isinstance(config, dict) and {"model", "train"} <= config.keys():
+        return
+    held = sorted(p.name for p in run_dir.iterdir())
+    shown = ", ".join(held[:4]) + (f" and {len(held) - 4} more" if len(held) > 4 else "")
+    raise NotARunFolder(f"{str(run_dir)!r} is not empty and is not a selfattn run (it holds {shown}); a run "
+                        f"writes config.json and checkpoints there: pass a new or empty folder")
+
+
 @contextlib.contextmanager
 def hold(run_dir: str | os.PathLike) -> Iterator[None]:
     """Hold ``run_dir`` (created if missing) for the block; raises :class:`RunFolderInUse` when
@@ -40,6 +72,7 @@ def hold(run_dir: str | os.PathLike) -> Iterator[None]:
         yield
         return
     created = not _files.writable_folder(run_dir).exists()
+    check_run_folder(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     fd = _acquire(run_dir / NAME, run_dir)
     _held.add(key)

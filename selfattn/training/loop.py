@@ -139,21 +139,31 @@ def resolve_configs(out: str | os.PathLike, *, preset: str | None = None, config
     """(model config, train config, checkpoint to resume from or None), layered: dataclass
     defaults < ``preset`` < ``arch`` (a family's block, :func:`selfattn.families.writing.block`) <
     the JSON file ``config`` < the flags; on ``resume``: the newest checkpoint's configs < the
-    flags (training fields, and model fields that change no shape)."""
+    flags (training fields, and model fields that change no shape). A resume may repeat the
+    original command's ``preset``, ``arch`` and ``config`` when every field they set agrees with the run
+    (or a flag given sets it)."""
     out, model_flags, train_flags = Path(out), model_flags or {}, train_flags or {}
     if resume:
-        if preset or config or arch:
-            raise ValueError("--resume keeps the run's configs; drop --preset/--config/--arch and pass single flags")
         found = checkpoint.read_latest(out)
         if found is None:
             raise ValueError(f"--resume: no checkpoint (ckpt-*.safetensors) in {str(out)!r}")
         ckpt, meta = found[0], found[2]["meta"]
         _check_resume_flags(ckpt, meta, model_flags, train_flags)
+        if preset or config or arch:
+            _check_resume_layers(meta, _layers(preset, arch, config, model_flags), model_flags, train_flags,
+                                 " ".join(f"--{k} {v}" for k, v in (("preset", preset), ("arch", arch),
+                                                                    ("config", config)) if v))
         train_cfg = TrainConfig(**{**meta["train"], **train_flags})
         _check_resume_launch(ckpt, train_cfg, train_flags)
         return GPTConfig(**{**meta["model"], **model_flags}), train_cfg, ckpt
     if checkpoint.latest(out) is not None:
         raise ValueError(f"{str(out)!r} already holds checkpoints; pass --resume to continue it, or another --out")
+    model_vals, train_vals = _layers(preset, arch, config, model_flags)
+    return (GPTConfig(**{**model_vals, **model_flags}), TrainConfig(**{**train_vals, **train_flags}), None)
+
+
+def _layers(preset: str | None, arch: str | None, config: str | None, model_flags: dict) -> tuple[dict, dict]:
+    """The model and train fields ``preset`` < ``arch`` < the JSON file ``config`` set (not the flags)."""
     if preset is not None and preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
     model_vals, train_vals = PRESETS[preset] if preset else ({}, {})
@@ -162,7 +172,18 @@ def resolve_configs(out: str | os.PathLike, *, preset: str | None = None, config
                                                            **model_flags})}
     if config:
         model_vals, train_vals = _read_config_file(config, model_vals, train_vals)
-    return (GPTConfig(**{**model_vals, **model_flags}), TrainConfig(**{**train_vals, **train_flags}), None)
+    return model_vals, train_vals
+
+
+def _check_resume_layers(meta: dict, layers: tuple[dict, dict], model_flags: dict, train_flags: dict,
+                         given: str) -> None:
+    """Refuse a resume whose repeated ``given`` (--preset, --arch, --config) sets a field otherwise than the
+    run has it, where no flag given sets that field."""
+    for (kind, flags), values in zip((("model", model_flags), ("train", train_flags)), layers):
+        for key, value in values.items():
+            if key not in flags and meta[kind].get(key) != value:
+                raise ValueError(f"--resume: {given} sets {key}={value!r} but the run has {key}="
+                                 f"{meta[kind].get(key)!r}; drop it, or resume with the run's own configs")
 
 
 def _check_resume_flags(ckpt: Path, meta: dict, model_flags: dict, train_flags: dict) -> None:

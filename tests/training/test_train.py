@@ -330,3 +330,35 @@ def test_train_config_values_are_checked():
     with pytest.raises(ValueError, match="tokenizer must be 'byte' or 'bpe', got 'wordpiece'"):
         TrainConfig(tokenizer="wordpiece")
     assert math.isclose(TrainConfig().lr, 1e-3)
+
+
+@pytest.mark.parametrize("files", [
+    {"config.json": '{"architectures": ["LlamaForCausalLM"], "model_type": "llama"}', "model.safetensors": "w"},
+    {"config.json": '{"lr": 0.1}', "notes.txt": "my notes"},  # a user's project
+    {"notes.txt": "my notes"},
+])
+def test_a_folder_that_is_not_a_run_is_refused_and_left_untouched(files, tmp_path, capsys):
+    out = tmp_path / "out"
+    out.mkdir()
+    for name, text in files.items():
+        (out / name).write_text(text)
+    assert main(["train", *MICRO, "--max-steps", "1", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "is not empty and is not a selfattn run (it holds" in err, err
+    assert {p.name: p.read_text() for p in out.iterdir()} == files  # nothing written, nothing replaced
+    (out / "config.json").unlink(missing_ok=True)  # control: the same files less a config are still not a run
+    assert main(["train", *MICRO, "--max-steps", "1", "--out", str(out)]) == 2
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert main(["train", *MICRO, "--max-steps", "1", "--eval-every", "1", "--out", str(empty)]) == 0  # control
+
+
+def test_resume_accepts_the_original_commands_preset_when_it_agrees_with_the_run(tmp_path, capsys):
+    out = tmp_path / "run"
+    tiny = ["--preset", "tiny", "--max-steps", "2", "--eval-every", "2", "--set", "eval_batches=1", "--batch-size",
+            "4", "--out", str(out)]
+    assert main(["train", *tiny]) == 0
+    assert main(["train", *tiny[:-2], "--max-steps", "3", "--out", str(out), "--resume"]) == 0  # the same command
+    assert main(["train", "--preset", "small", "--out", str(out), "--resume", "--max-steps", "4"]) == 2  # control
+    err = capsys.readouterr().err
+    assert "--resume: --preset small sets block_size=256 but the run has block_size=128" in err, err
