@@ -24,11 +24,14 @@ from selfattn import _files
 from selfattn._seeds import stream_seed
 from selfattn.tokenizers import BPETokenizer, ByteTokenizer, from_spec
 
+MAX_CORPUS_BYTES = 4 * 2 ** 30  # the corpus is read and tokenized whole, in memory: past this, refused
+
 
 def read_corpus(path: str | os.PathLike | None) -> tuple[str, str]:
     """(text, description). ``None`` = the built-in corpus; a folder = every non-hidden file
     under it, sorted, joined by blank lines. Raises ``ValueError`` naming the offending file
-    for a missing path, an empty corpus or a file that is not UTF-8 text."""
+    for a missing path, a device or a pipe, a corpus over :data:`MAX_CORPUS_BYTES`, an empty
+    corpus or a file that is not UTF-8 text."""
     if path is None:
         try:
             topics = importlib.import_module("pydoc_data.topics").topics
@@ -45,8 +48,15 @@ def read_corpus(path: str | os.PathLike | None) -> tuple[str, str]:
                        and not any(part.startswith(".") for part in p.relative_to(root).parts))
         if not files:
             raise ValueError(f"data folder {str(root)!r} has no files")
-    else:
+    elif root.is_file():
         files = [root]
+    else:
+        raise ValueError(f"data path {str(root)!r} is not a regular file or a folder (a device or a pipe?): "
+                         f"give a text file")
+    size = sum(f.stat().st_size for f in files)
+    if size > MAX_CORPUS_BYTES:
+        raise ValueError(f"data path {str(root)!r} holds {size:,} bytes, more than the {MAX_CORPUS_BYTES:,} this "
+                         f"reader tokenizes in memory")
     text = "\n\n".join(_read_text(f) for f in files)
     if not text.strip():
         raise ValueError(f"data path {str(root)!r} holds no text (empty)")

@@ -201,3 +201,15 @@ def test_refusals_come_before_anything_is_written(tmp_path):
     assert not (tmp_path / "tokens").exists()
     assert data.prepare(tmp_path / "tokens", **kw, block_size=4).fingerprint  # control: valid, it writes
     assert (tmp_path / "tokens" / "meta.json").exists()
+
+
+def test_a_device_file_or_a_corpus_past_the_limit_is_refused_before_it_is_read(tmp_path, monkeypatch):
+    with pytest.raises(ValueError, match=r"'/dev/zero' is not a regular file or a folder \(a device or a pipe\?\)"):
+        data.read_corpus("/dev/zero")  # read whole, it never ends
+    big = tmp_path / "big.txt"
+    big.write_text("x" * 2000)
+    monkeypatch.setattr(data, "MAX_CORPUS_BYTES", 1000)
+    with pytest.raises(ValueError, match="holds 2,000 bytes, more than the 1,000 this reader tokenizes in memory"):
+        data.read_corpus(big)
+    monkeypatch.setattr(data, "MAX_CORPUS_BYTES", 4000)  # control: within the limit it is read
+    assert data.read_corpus(big)[0] == "x" * 2000
