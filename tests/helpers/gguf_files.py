@@ -3,6 +3,7 @@ random Llama from transformers, its q/k rows interleaved for llama.cpp's RoPE, e
 type asked for, and a byte-level BPE tokenizer with its chat template in the metadata."""
 import json
 import re
+import struct
 
 import gguf
 import numpy as np
@@ -132,3 +133,27 @@ def random_blocks(rows: int, cols: int, qtype) -> tuple[np.ndarray, object]:
     else:
         raw[..., 0:2], raw[..., 2:4] = scales, scales  # d and dmin, first
     return raw.reshape(rows, -1), qtype
+
+
+def field_offset(path, key: str) -> int:
+    """Where the value of metadata field ``key`` starts in the GGUF file at ``path`` (an array's: the
+    type of its entries, a uint32, then its length, a uint64); ``GGUF.tensor_count`` and
+    ``GGUF.kv_count`` are the header's uint64s."""
+    field = gguf.GGUFReader(path).fields[key]
+    return field.offset + (0 if key.startswith("GGUF.") else 8 + len(key.encode()) + 4)
+
+
+def tensor_offset(path, name: str, part: str) -> int:
+    """Where tensor ``name``'s description in the GGUF file at ``path`` has its ``part``: "shape" (its
+    first, innermost dimension, a uint64) or "type" (a uint32)."""
+    t = next(t for t in gguf.GGUFReader(path).tensors if t.name == name)
+    shape = t.field.offset + 8 + len(name.encode()) + 4
+    return shape if part == "shape" else shape + 8 * len(t.shape)
+
+
+def overwrite(path, offset: int, fmt: str, value):
+    """``path``, its bytes at ``offset`` overwritten with ``value`` packed little-endian as ``struct``'s ``fmt``."""
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        f.write(struct.pack("<" + fmt, value))
+    return path

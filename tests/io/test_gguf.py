@@ -135,17 +135,40 @@ def _cut(path, keep):
     return path
 
 
+def _rewrite(where, fmt: str, value):
+    """A damage: the bytes at ``where(path)`` rewritten to ``value`` (packed as ``struct``'s ``fmt``)."""
+    return lambda path: gguf_files.overwrite(path, where(path), fmt, value)
+
+
 @pytest.mark.parametrize("damage, words", [
     (lambda p: _cut(p, -100), ["truncated GGUF file", "tensor output_norm.weight needs bytes up to"]),
-    (lambda p: _cut(p, 300), ["truncated GGUF file", "the metadata field after llama.", "needs bytes up to"]),
+    (lambda p: _cut(p, 300),
+     ["truncated GGUF file (300 bytes): the metadata field llama.attention.head_count_kv needs bytes up to 304"]),
     (lambda p: _cut(p, gguf.GGUFReader(p).tensors[0].field.offset + 9),
-     ["truncated GGUF file", "the tensor descriptions after the metadata needs bytes up to"]),
+     ["truncated or damaged GGUF file", "GGUF.tensor_count is 20, but the 9 bytes from byte",
+      "on hold at most 0 tensor descriptions (of 24 bytes or more each)"]),
+    (_rewrite(lambda p: gguf_files.field_offset(p, "GGUF.tensor_count"), "Q", 10**12),
+     ["truncated or damaged GGUF file", "GGUF.tensor_count is 1000000000000, but the", "tensor descriptions"]),
+    (_rewrite(lambda p: gguf_files.field_offset(p, "GGUF.kv_count"), "Q", 10**12),
+     ["truncated or damaged GGUF file", "GGUF.kv_count is 1000000000000, but the", "metadata fields"]),
+    (_rewrite(lambda p: gguf_files.field_offset(p, "tokenizer.ggml.tokens") + 4, "Q", 10**12),  # its length
+     ["the array length of metadata field tokenizer.ggml.tokens is 1000000000000, but the",
+      "entries (of 8 bytes or more each)"]),
+    (_rewrite(lambda p: gguf_files.tensor_offset(p, "blk.0.attn_q.weight", "type"), "I", Q.F16),  # was Q8_0
+     ["tensor blk.0.attn_q.weight (F16, shape (64, 64): 8192 bytes from byte",
+      "runs into tensor blk.0.attn_k.weight (from byte", "a type, shape or offset of the file is wrong"]),
+    (_rewrite(lambda p: gguf_files.tensor_offset(p, "blk.0.attn_q.weight", "type"), "I", 99),
+     ["tensor blk.0.attn_q.weight is of type 99, which is no GGML tensor type"]),
+    (_rewrite(lambda p: gguf_files.tensor_offset(p, "blk.0.attn_q.weight", "shape"), "Q", 48),
+     ["tensor blk.0.attn_q.weight (Q8_0, shape (64, 48)) has rows of 48 values, not whole blocks of 32"]),
     (lambda p: _cut(p, 2), ["not a GGUF file (it starts with b'GG', not b'GGUF')"]),
     (lambda p: p.write_bytes(b"PK\x03\x04 a zip, not a model") and p,
      ["not a GGUF file (it starts with b'PK\\x03\\x04'"]),
 ])
 def test_a_damaged_or_foreign_file_is_one_line_naming_the_file_and_what_is_cut(hf, tmp_path, capsys, damage, words):
-    path = damage(gguf_files.write(tmp_path / "m.gguf", hf))
+    path = gguf_files.write(tmp_path / "m.gguf", hf, types=TYPES)
+    loading.load(path)  # control: undamaged, it loads
+    damage(path)
     with pytest.raises(ValueError) as e:
         loading.load(path)
     message = str(e.value)
@@ -164,6 +187,11 @@ def test_a_damaged_or_foreign_file_is_one_line_naming_the_file_and_what_is_cut(h
     (dict(metadata={"llama.rope.scaling.type": ("yarn", V.STRING)}), "llama.rope.scaling.type 'yarn' is not supported"),
     (dict(metadata={"llama.attention.head_count": ("four", V.STRING)}),
      "metadata field llama.attention.head_count is 'four', expected a int"),
+    *[(dict(metadata={f"llama.{field}": (0, V.UINT32)}), f"metadata field llama.{field} is 0, expected at least 1")
+      for field in ("attention.head_count", "attention.head_count_kv", "embedding_length", "block_count")],
+    (dict(metadata={"llama.embedding_length": (576, V.UINT32), "llama.attention.head_count": (7, V.UINT32)}),
+     "llama.embedding_length 576 is not divisible by llama.attention.head_count 7 (and there is no "
+     "llama.attention.key_length to give the head size)"),
 ])
 def test_what_the_loader_does_not_read_is_refused_naming_file_and_field(hf, tmp_path, change, words):
     path = gguf_files.write(tmp_path / "m.gguf", hf, **change)

@@ -17,10 +17,14 @@ llama.cpp's converter interleaves the rows of a Llama's ``attn_q`` and ``attn_k`
 half, then second half) by reading the quantised rows in that order, so no extra copy is made.
 
 A file that is not GGUF, truncated, of an architecture or a tensor type not read here, or missing
-a field the config needs, is one ValueError naming the file and the field or tensor.
+a field the config needs, is one ValueError naming the file and the field or tensor; so is a damaged
+one: a count (of tensors, of fields, of an array's entries) more than the rest of the file can hold,
+a tensor whose bytes (by its type and shape) run into the next tensor's or past the end, a count of
+the config that is not at least 1 or a width not divisible by the heads.
 """
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -182,7 +186,13 @@ def _config(metadata: Metadata, arch: str, reader) -> dict:
     c = {"model_type": ARCHITECTURES[arch]}
     for key, (field, kind, default) in _CONFIG.items():
         c[key] = metadata.value(f"{arch}.{field}", kind, default)
+        if kind is int and c[key] is not None and c[key] < 1:  # the counts, sizes and lengths
+            raise ValueError(f"{metadata.path}: metadata field {arch}.{field} is {c[key]}, expected at least 1")
     c["num_key_value_heads"] = c["num_key_value_heads"] or c["num_attention_heads"]
+    if c["head_dim"] is None and c["hidden_size"] % c["num_attention_heads"]:
+        raise ValueError(f"{metadata.path}: {arch}.embedding_length {c['hidden_size']} is not divisible by "
+                         f"{arch}.attention.head_count {c['num_attention_heads']} (and there is no "
+                         f"{arch}.attention.key_length to give the head size)")
     head_dim = c["head_dim"] or c["hidden_size"] // c["num_attention_heads"]
     rotated = metadata.value(f"{arch}.rope.dimension_count", int, head_dim)
     if rotated != head_dim:
@@ -208,28 +218,63 @@ class _Truncated(Exception):
         self.offset, self.end = offset, end
 
 
+class _Damaged(Exception):
+    """What is wrong with the file, said in the message (the path goes before it)."""
+
+
 def _reader(path: Path):
-    """``gguf.GGUFReader`` of ``path``; a file that ends too soon names what it cuts."""
+    """``gguf.GGUFReader`` of ``path``; a file that ends too soon names what it cuts, a count the
+    rest of the file cannot hold names the count, tensors whose bytes overlap are named before any is read."""
     try:
         import gguf
     except ImportError as e:
         raise ImportError("reading a GGUF file needs the 'gguf' package: pip install 'selfattn[gguf]'") from e
 
+    import numpy as np
+
+    V = gguf.GGUFValueType
+
     class Reader(gguf.GGUFReader):
         def _get(self, offset, dtype, count=1, override_order=None):  # every read of the file goes through here
-            import numpy as np
-
             end = int(offset) + int(np.dtype(dtype).itemsize) * int(count)
             if end > len(self.data):
                 raise _Truncated(int(offset), end)
             return super()._get(offset, dtype, count, override_order)
 
+        def _fits(self, what: str, count, offset: int, things: str, least: int):
+            """Refuse a count of ``things`` of ``least`` bytes or more that the file from ``offset`` cannot hold
+            (a count damaged, or the file cut: which one, the file does not say)."""
+            room = len(self.data) - offset
+            if int(count) * least > room:
+                raise _Damaged(f"truncated or damaged GGUF file ({len(self.data)} bytes): {what} is {int(count)}, "
+                               f"but the {room} bytes from byte {offset} on hold at most {room // least} {things} "
+                               f"(of {least} bytes or more each)")
+
+        def _build_fields(self, offs, count):  # one at a time, so an array's length can name its field
+            self._fits("GGUF.kv_count", count, offs, "metadata fields", 8 + 4 + 1)
+            for _ in range(int(count)):
+                self.key = None  # until its name is read
+                self.key = str(bytes(self._get_str(offs)[1]), "utf-8", errors="replace")
+                offs = super()._build_fields(offs, 1)
+            return offs
+
+        def _get_field_parts(self, orig_offs, raw_type):
+            if raw_type == V.ARRAY:
+                kind, length = int(self._get(orig_offs, np.uint32)[0]), self._get(orig_offs + 4, np.uint64)[0]
+                scalar = self.gguf_scalar_to_np.get(kind)
+                # an entry's fewest bytes: a scalar's, a string's length, an array's type and length
+                least = np.dtype(scalar).itemsize if scalar else {V.STRING: 8, V.ARRAY: 4 + 8}.get(kind, 1)
+                self._fits(f"the array length of metadata field {self.key}", length, orig_offs + 12, "entries", least)
+            return super()._get_field_parts(orig_offs, raw_type)
+
         def _build_tensor_info(self, offs, count):
             self.describing = True  # the tensors' names, shapes and types, after the metadata
+            self._fits("GGUF.tensor_count", count, offs, "tensor descriptions", 8 + 4 + 4 + 8)
             return super()._build_tensor_info(offs, count)
 
         def _build_tensors(self, start_offs, fields):
             self.tensor_infos = [(str(bytes(f.parts[1]), "utf-8"), start_offs + int(f.parts[5][0])) for f in fields]
+            _check_ranges(self, start_offs, fields)
             return super()._build_tensors(start_offs, fields)
 
     reader = Reader.__new__(Reader)  # made first, so what it read before an error is still there
@@ -238,18 +283,51 @@ def _reader(path: Path):
     except _Truncated as e:
         raise ValueError(f"{path}: truncated GGUF file ({path.stat().st_size} bytes): {_cut(reader, e.offset)} "
                          f"needs bytes up to {e.end}") from None
+    except _Damaged as e:
+        raise ValueError(f"{path}: {e}") from None
     except Exception as e:  # the reader's own checks, numpy's errors for a malformed header
         raise ValueError(f"{path}: not a readable GGUF file ({one_line(e)})") from None
     return reader
 
 
+def _check_ranges(reader, start: int, fields) -> None:
+    """Before any tensor is read: each tensor's bytes (as many as its type and shape say) end before
+    the next tensor's begin, and before the end of the file; a tensor whose type or shape was
+    damaged would otherwise read its neighbour's bytes."""
+    import gguf
+
+    ranges = []
+    for f in fields:
+        name, dims, raw_type = str(bytes(f.parts[1]), "utf-8"), [int(n) for n in f.parts[3]], int(f.parts[4][0])
+        if raw_type not in gguf.GGML_QUANT_SIZES:
+            raise _Damaged(f"tensor {name} is of type {raw_type}, which is no GGML tensor type")
+        qtype = gguf.GGMLQuantizationType(raw_type)
+        (block, size), shape = gguf.GGML_QUANT_SIZES[qtype], tuple(reversed(dims))
+        if dims and dims[0] % block:
+            raise _Damaged(f"tensor {name} ({qtype.name}, shape {shape}) has rows of {dims[0]} values, "
+                           f"not whole blocks of {block}")
+        offset, nbytes = start + int(f.parts[5][0]), math.prod(dims) // block * size
+        ranges.append((offset, nbytes, name, f"{qtype.name}, shape {shape}"))
+    ranges.sort()
+    for (offset, size, name, kind), (after, _, neighbour, _) in zip(ranges, ranges[1:]):
+        if offset + size > after:
+            raise _Damaged(f"tensor {name} ({kind}: {size} bytes from byte {offset}) runs into tensor {neighbour} "
+                           f"(from byte {after}): a type, shape or offset of the file is wrong")
+    for offset, size, _, _ in ranges:
+        if offset + size > len(reader.data):
+            raise _Truncated(offset, offset + size)
+
+
 def _cut(reader, offset: int) -> str:
-    """What a read at ``offset`` that ran past the end was for: a tensor's data, or a metadata field."""
+    """What a read at ``offset`` that ran past the end was for: a tensor's data, the tensors'
+    descriptions, a metadata field (the one after the last read, where its name is cut)."""
     infos = getattr(reader, "tensor_infos", None)
     if infos:
         return "tensor " + max((start, name) for name, start in infos if start <= offset)[1]
     if getattr(reader, "describing", False):
         return "the tensor descriptions after the metadata"
+    if getattr(reader, "key", None):
+        return f"the metadata field {reader.key}"
     fields = [name for name in getattr(reader, "fields", {}) if not name.startswith("GGUF.")]
     return f"the metadata field after {fields[-1]}" if fields else "the header"
 
