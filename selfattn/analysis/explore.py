@@ -23,6 +23,8 @@ inflates them) and written as base-85 text.
 """
 from __future__ import annotations
 
+import contextlib
+import itertools
 import json
 import os
 import zlib
@@ -60,6 +62,8 @@ def explore(model: GPT, tokens, path: str | os.PathLike, *, tokenizer=None, titl
     tokens: token ids, a list or a tensor ``(T,)`` or ``(1, T)``, 2 <= T <= block_size.
     tokenizer: anything with ``token_bytes(id)`` (the byte tokenizer, a BPE); without one,
         tokens are shown as their ids.
+    The page is written atomically once it is ready, and the missing folders of ``path`` with
+    it: a failure leaves no half page and no folder made here.
     The model runs once in eval mode (its train/eval mode is restored after).
     """
     if not isinstance(model, GPT):
@@ -87,8 +91,22 @@ def explore(model: GPT, tokens, path: str | os.PathLike, *, tokenizer=None, titl
         "predictions": predictions,
     })
     path = Path(path)
-    _files.write_text(path, html)  # ASCII only: the same bytes in any locale
+    _write(path, html)  # ASCII only: the same bytes in any locale
     return Page(path, len(html), T, max_error)
+
+
+def _write(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` atomically, creating its missing folders; a failed write leaves
+    none of the folders made here."""
+    made = list(itertools.takewhile(lambda folder: not folder.exists(), path.parents))  # deepest first
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _files.write_text(path, text)
+    except BaseException:
+        for folder in made:
+            with contextlib.suppress(OSError):
+                folder.rmdir()  # removed only while empty
+        raise
 
 
 def quantise(weights: Tensor) -> Tensor:

@@ -36,9 +36,11 @@ def main(args: argparse.Namespace) -> int:
     out = Path(args.out)
     if out.is_dir():
         raise ValueError(f"--out {args.out!r} is a folder: name the page to write, e.g. --out {out / 'explore.html'}")
-    _files.writable_folder(out.parent)  # checked before the work
+    _files.writable_folder(out.parent)  # checked before the work, created once the page is ready
     if args.text is None and args.repeat <= 0:
         raise ValueError(f"--repeat must be positive, got {args.repeat}")
+    if args.text == "":
+        raise ValueError("--text is empty: pass a text, or leave --text out for random tokens")
     loaded = load(args.ckpt)
     model, tokenizer = loaded.model, loaded.tokenizer
     if args.text is None:
@@ -49,7 +51,6 @@ def main(args: argparse.Namespace) -> int:
     else:
         tokens = torch.tensor(loaded.require_tokenizer().encode(args.text), dtype=torch.long)  # (T,)
         what = f"--text, {tokens.shape[0]} tokens"
-    out.parent.mkdir(parents=True, exist_ok=True)
     page = explore(model, tokens, out, tokenizer=tokenizer, title=f"{Path(args.ckpt).name}: {what}")
     cfg = model.config
     print(f"selfattn explore: {args.ckpt}: {cfg.n_layer} layers x {cfg.n_head} heads; input: {what}")

@@ -47,15 +47,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     out = _files.writable_folder(args.out)  # checked before the work
+    layers = _parse_layers(args.layers)  # the flags first, then the model (seconds to load)
+    if args.top <= 0:
+        raise ValueError(f"--top must be positive, got {args.top}")
+    if args.text is None and args.length <= 0:
+        raise ValueError(f"--length must be positive, got {args.length}")
+    if args.text == "":
+        raise ValueError("--text is empty: pass a text, or leave --text out for random tokens")
     loaded = load(args.ckpt)
     model, tokenizer = loaded.model.eval(), loaded.tokenizer
     n_layer = len(attention_layers(model))
-    layers = _parse_layers(args.layers, n_layer)
-    if args.top <= 0:
-        raise ValueError(f"--top must be positive, got {args.top}")
+    layers = _check_layers(layers, n_layer)
     if args.text is None:
-        if args.length <= 0:
-            raise ValueError(f"--length must be positive, got {args.length}")
         check_repeat("--length", args.length, model.config)
         g = torch.Generator().manual_seed(args.seed)
         tokens = repeated_tokens(model.config.vocab_size, args.length, generator=g)  # (1, 2·length)
@@ -107,13 +110,19 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
-def _parse_layers(text: str | None, n_layer: int) -> list[int]:
+def _parse_layers(text: str | None) -> list[int] | None:
+    """``--layers``' numbers; None (all layers) without it."""
     if text is None:
-        return list(range(n_layer))
+        return None
     try:
-        layers = [int(x) for x in text.split(",")]
+        return [int(x) for x in text.split(",")]
     except ValueError:
         raise ValueError(f"--layers must be comma-separated integers, got {text!r}") from None
+
+
+def _check_layers(layers: list[int] | None, n_layer: int) -> list[int]:
+    if layers is None:
+        return list(range(n_layer))
     bad = [i for i in layers if not 0 <= i < n_layer]
     if bad:
         raise ValueError(f"--layers {bad} out of range: the model has {n_layer} layers (0..{n_layer - 1})")

@@ -9,6 +9,8 @@ GGUF file (see :mod:`selfattn.io.loading`). Nothing is downloaded.
 ``--prompt`` continues a text; ``--chat`` asks a chat model a question: the model's chat template
 writes it as the user's message, followed by what starts the assistant's answer, and the answer
 is printed. Either way generation stops at the model's end-of-text token (eos) when it has one.
+A chat and its answer must fit the model's context: one that does not is refused, as sliding the
+context (below) would cut the template's start.
 
 ``--speculative`` decodes speculatively (:mod:`selfattn.generation.speculative`): the same text (greedy) or
 the same distribution of texts (sampling), in fewer forwards when the drafts are right. ``lookup``
@@ -68,18 +70,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    if args.max_new_tokens < 0:
-        raise ValueError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
-    check_sampling(args.temperature, args.top_k, args.top_p, flags=True)  # before anything is printed
+    check_flags(args)  # before the model is loaded: seconds
     device = _validate.device(args.device)
-    if args.chat is not None and args.prompt:
-        raise ValueError("--chat and --prompt are two ways to start: pass one of them")
-    if args.chat is not None and not args.chat.strip():
-        raise ValueError("--chat needs a message, got an empty one")
     loaded = load(args.ckpt)
     tokenizer = loaded.require_tokenizer()
     if args.chat is not None:
         ids = tokenizer.encode(loaded.require_chat().render([{"role": "user", "content": args.chat}]))
+        check_chat_fits(len(ids), args.max_new_tokens, loaded.model.max_positions)
     else:
         ids = tokenizer.encode(args.prompt, special=True) if args.prompt else [loaded.start_token]
     model = decode_layout(loaded.model.to(device).eval())  # inference only: the order batch-1 decoding reads fastest
@@ -98,14 +95,55 @@ def main(args: argparse.Namespace) -> int:
         generator.seed()
     else:
         generator.manual_seed(args.seed)
-    sys.stdout.write(args.prompt)
-    tokens = stream(model, ids, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                    top_p=args.top_p, generator=generator, speculative=spec)
-    for piece in text_pieces(tokenizer, until(tokens, loaded.eos)):
-        sys.stdout.write(piece)
-        sys.stdout.flush()
+    last = args.prompt  # the last text written, to end its line if Ctrl-C cuts the stream
+    try:
+        sys.stdout.write(args.prompt)
+        tokens = stream(model, ids, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                        top_p=args.top_p, generator=generator, speculative=spec)
+        for piece in text_pieces(tokenizer, until(tokens, loaded.eos)):
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+            last = piece or last
+    except KeyboardInterrupt:  # "selfattn sample: interrupted" goes on a line of its own
+        if last and not last.endswith("\n"):
+            sys.stdout.write("\n")
+            sys.stdout.flush()
+        raise
     sys.stdout.write("\n")
     return 0
+
+
+def check_flags(args: argparse.Namespace) -> None:
+    """The flags' values that need no model, checked before it is loaded."""
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    check_sampling(args.temperature, args.top_k, args.top_p, flags=True)
+    if args.chat is not None and args.prompt:
+        raise ValueError("--chat and --prompt are two ways to start: pass one of them")
+    if args.chat is not None and not args.chat.strip():
+        raise ValueError("--chat needs a message, got an empty one")
+    how = args.speculative
+    if how is not None and how != "lookup" and not how.startswith(("self:", "draft:")):
+        raise ValueError(f"--speculative must be lookup, self:N or draft:PATH, got {how!r}")
+    if how == "draft:":
+        raise ValueError("--speculative draft:: draft:PATH needs a path to the draft model")
+    if how is not None and how.startswith("self:"):
+        try:
+            Speculative(how)  # N must be a positive int
+        except ValueError as e:
+            raise ValueError(f"--speculative {how}: {e}") from None
+
+
+def check_chat_fits(prompt: int, new: int, context: int | None) -> None:
+    """A chat of ``prompt`` tokens and ``new`` more must fit the model's ``context`` (None: no
+    limit): sliding the context would cut the chat template's start, and the model would answer nothing."""
+    if context is None or prompt + new - 1 <= context:  # the last new token is never fed back
+        return
+    room = context - prompt + 1
+    fix = f"pass --max-new-tokens {room} or less" if room >= 1 else "shorten the message"
+    raise ValueError(f"--chat: the chat is {prompt} tokens (its template included) and --max-new-tokens asks for "
+                     f"{new} more, past the model's context of {context} tokens, which would cut the chat's "
+                     f"start; {fix}")
 
 
 def speculation(how: str | None, model, device, positions: int, *, compile: bool = False) -> Speculative | None:
@@ -114,13 +152,9 @@ def speculation(how: str | None, model, device, positions: int, *, compile: bool
     with ``compile``."""
     if how is None:
         return None
-    if how != "lookup" and not how.startswith(("self:", "draft:")):
-        raise ValueError(f"--speculative must be lookup, self:N or draft:PATH, got {how!r}")
     try:
         method = how
         if how.startswith("draft:"):
-            if not how[len("draft:"):]:
-                raise ValueError("draft:PATH needs a path to the draft model")
             method = decode_layout(load(how[len("draft:"):]).model.to(device).eval())
             if compile:
                 compile_decode(method)

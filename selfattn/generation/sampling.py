@@ -7,6 +7,7 @@ exactly on a hand-made distribution. :func:`next_token` chains them in the usual
 """
 from __future__ import annotations
 
+import math
 import numbers
 
 import torch
@@ -78,8 +79,9 @@ def check_sampling(temperature, top_k, top_p, *, flags: bool = False) -> None:
     def name(arg: str) -> str:
         return "--" + arg.replace("_", "-") if flags else arg
     unset = "unset" if flags else "None"
-    if not isinstance(temperature, numbers.Real) or isinstance(temperature, bool) or not temperature >= 0:
-        raise ValueError(f"{name('temperature')} must be a number >= 0 (0 = greedy), got {temperature!r}")
+    if (not isinstance(temperature, numbers.Real) or isinstance(temperature, bool) or not math.isfinite(temperature)
+            or temperature < 0):
+        raise ValueError(f"{name('temperature')} must be a finite number >= 0 (0 = greedy), got {temperature!r}")
     if top_k is not None and (not isinstance(top_k, int) or isinstance(top_k, bool) or top_k <= 0):
         raise ValueError(f"{name('top_k')} must be a positive int or {unset}, got {top_k!r}")
     if top_p is not None and (not isinstance(top_p, numbers.Real) or isinstance(top_p, bool)

@@ -395,3 +395,37 @@ def test_explore_command_on_a_run_and_on_a_gpt2_folder(tmp_path, capsys, monkeyp
     assert capsys.readouterr().err == (f"selfattn explore: error: --out {str(tmp_path / 'pages')!r} is a folder: "
                                        f"name the page to write, e.g. --out {tmp_path / 'pages' / 'explore.html'}\n")
     assert cli(["explore", "--ckpt", run, "--repeat", "32", "--out", str(out)]) == 0  # control: the limit itself
+
+
+def test_a_failed_explore_leaves_no_folder_it_made(tmp_path, capsys, monkeypatch):
+    import dataclasses
+    import errno
+
+    from selfattn import _files
+    from selfattn.training import checkpoint
+
+    cfg = GPTConfig(vocab_size=256, block_size=16, n_layer=1, n_head=2, n_embd=16)
+    model = GPT(cfg)
+    run = tmp_path / "run"
+    run.mkdir()
+    checkpoint.save(run, 1, model, torch.optim.AdamW(model.parameters()), keep=1,
+                    meta={"model": dataclasses.asdict(cfg), "tokenizer": {"kind": "byte"}, "step": 1})
+    page = tmp_path / "new" / "pages" / "page.html"
+    command = ["explore", "--ckpt", str(run), "--out", str(page)]
+    assert cli([*command, "--text", "x" * 17]) == 2  # the work fails: more tokens than block_size
+    assert "2 to block_size=16 tokens, got 17" in capsys.readouterr().err
+    assert not (tmp_path / "new").exists()
+
+    def disk_full(path, text):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+
+    monkeypatch.setattr(_files, "write_text", disk_full)  # the work is done, writing the page fails
+    assert cli([*command, "--repeat", "4"]) == 2
+    assert "No space left on device" in capsys.readouterr().err
+    assert not (tmp_path / "new").exists()
+    (tmp_path / "new").mkdir()  # a folder that was there before stays
+    assert cli([*command, "--repeat", "4"]) == 2
+    assert [p.name for p in tmp_path.joinpath("new").iterdir()] == []
+    monkeypatch.undo()
+    assert cli([*command, "--repeat", "4"]) == 0 and page.is_file()  # control: the page and its folder are written
+    assert [p.name for p in page.parent.iterdir()] == ["page.html"]  # no temporary left beside it

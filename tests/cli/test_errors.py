@@ -42,6 +42,38 @@ def test_demo_sizes_are_checked_before_anything_is_allocated(capsys):
     assert "Self-attention from scratch: B=1, T=8" in capsys.readouterr().out
 
 
+EMPTY_TEXT = "--text is empty: pass a text, or leave --text out for random tokens"
+
+
+@pytest.mark.parametrize("argv, message, good", [
+    (["heads", "--layers", "abc"], "--layers must be comma-separated integers, got 'abc'", "0"),
+    (["heads", "--text", ""], EMPTY_TEXT, "a"),
+    (["heads", "--top", "0"], "--top must be positive, got 0", "1"),
+    (["explore", "--text", ""], EMPTY_TEXT, "a"),
+    (["sample", "--max-new-tokens", "0"], "--max-new-tokens must be >= 1, got 0", "1"),
+    (["sample", "--temperature", "inf"], "--temperature must be a finite number >= 0 (0 = greedy), got inf", "1"),
+    (["sample", "--speculative", "self:x"], "--speculative self:x: speculative='self:x': self:N drafts with the "
+                                            "model's first N blocks, N a positive int", "self:1"),
+])
+def test_flag_values_are_refused_before_the_model_is_loaded(argv, message, good, tmp_path, monkeypatch, capsys):
+    import selfattn.cli.explore
+    import selfattn.cli.heads
+    import selfattn.cli.sample
+
+    def loader(path):
+        raise AssertionError(f"{path} loaded before the flags were checked")
+
+    for command in (selfattn.cli.explore, selfattn.cli.heads, selfattn.cli.sample):
+        monkeypatch.setattr(command, "load", loader)
+    out = {"heads": ["--out", str(tmp_path / "out")], "explore": ["--out", str(tmp_path / "page.html")]}
+    command = [argv[0], "--ckpt", str(tmp_path / "model"), *out.get(argv[0], [])]
+    assert main([*command, *argv[1:]]) == 2
+    assert capsys.readouterr().err == f"selfattn {argv[0]}: error: {message}\n"
+    with pytest.raises(AssertionError, match="loaded before"):  # control: a good value goes on to load the model
+        main([*command, argv[1], good])
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("argv, usage", [(["sample", "--ckpt", "x", "--bogus", "1"], "usage: selfattn sample"),
                                          (["benchmarks", "decode", "--quick", "--bogus"],
                                           "usage: python -m benchmarks decode")])

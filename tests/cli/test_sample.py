@@ -1,4 +1,5 @@
 """`selfattn sample`: streaming, reproducible seeds, UTF-8 across tokens, every kind of --ckpt."""
+import dataclasses
 import os
 import subprocess
 import sys
@@ -14,6 +15,7 @@ from selfattn.generation.int8 import quantize_int8
 from selfattn.generation.text import stream, text_pieces
 from selfattn.io import loading
 from selfattn.tokenizers import ByteTokenizer
+from selfattn.tokenizers.chat import ChatTemplate
 
 
 @pytest.fixture(scope="module")
@@ -114,7 +116,11 @@ def test_sample_errors_are_one_line(tmp_path, capsys):
 @pytest.mark.parametrize("flags, message", [
     (["--top-p", "1.5"], "--top-p must be in (0, 1] or unset, got 1.5"),
     (["--top-k", "0"], "--top-k must be a positive int or unset, got 0"),
-    (["--temperature", "-1"], "--temperature must be a number >= 0 (0 = greedy), got -1.0")])
+    (["--top-p", "inf"], "--top-p must be in (0, 1] or unset, got inf"),
+    (["--top-p", "nan"], "--top-p must be in (0, 1] or unset, got nan"),
+    (["--temperature", "-1"], "--temperature must be a finite number >= 0 (0 = greedy), got -1.0"),
+    (["--temperature", "inf"], "--temperature must be a finite number >= 0 (0 = greedy), got inf"),
+    (["--temperature", "nan"], "--temperature must be a finite number >= 0 (0 = greedy), got nan")])
 def test_sampling_flags_are_refused_by_their_names_before_the_prompt_is_printed(run, capsys, flags, message):
     assert main(["sample", "--ckpt", str(run), "--prompt", "The prompt", "--max-new-tokens", "3", *flags]) == 2
     out, err = capsys.readouterr()
@@ -189,3 +195,48 @@ def test_quantize_refuses_an_unknown_kind(run, capsys):
     with pytest.raises(SystemExit) as e:
         main(["sample", "--ckpt", str(run), "--quantize", "int4"])
     assert e.value.code == 2 and "--quantize: invalid choice: 'int4'" in capsys.readouterr().err
+
+
+def test_the_library_refuses_an_infinite_temperature_too(run):
+    model = loading.load(run).model.eval()
+    with pytest.raises(ValueError, match="temperature must be a finite number >= 0"):
+        list(generate(model, torch.tensor([[1]]), 3, temperature=float("inf")))
+    assert len(list(generate(model, torch.tensor([[1]]), 3, temperature=1e30))) == 3  # control: finite, however large
+
+
+def _with_chat(run, monkeypatch):
+    """``run`` loaded with a chat template that writes the message, then ">" (one token a byte)."""
+    loaded = dataclasses.replace(loading.load(run), chat=ChatTemplate("{{ messages[0].content }}>", {}, "test"))
+    monkeypatch.setattr(sample_cli, "load", lambda path: loaded)
+
+
+@pytest.mark.parametrize("message, new, fix", [("abcdefghij", 7, "pass --max-new-tokens 6 or less"),
+                                               ("x" * 39, 1, "shorten the message")])
+def test_a_chat_longer_than_the_context_is_refused_before_generating(run, monkeypatch, capsys, message, new, fix):
+    _with_chat(run, monkeypatch)  # block_size 16
+    generated = []
+    monkeypatch.setattr(sample_cli, "stream", lambda *a, **kw: generated.append(a) or iter(()))
+    args = ["sample", "--ckpt", str(run), "--chat", message, "--max-new-tokens"]
+    assert main([*args, str(new)]) == 2
+    out, err = capsys.readouterr()
+    prompt = len(message) + 1
+    assert out == "" and not generated
+    assert err == (f"selfattn sample: error: --chat: the chat is {prompt} tokens (its template included) and "
+                   f"--max-new-tokens asks for {new} more, past the model's context of 16 tokens, which would cut "
+                   f"the chat's start; {fix}\n")
+    if new > 1:  # control: one token fewer fits (the last new token is never read back), and is generated
+        assert main([*args, str(new - 1)]) == 0 and generated
+
+
+@pytest.mark.parametrize("prompt, streamed, printed", [("The", " cat", "The cat\n"), ("The", "", "The\n"),
+                                                       ("The", " cat\n", "The cat\n"), ("", "", "")])
+def test_ctrl_c_ends_the_streamed_line_before_the_message(run, monkeypatch, capsys, prompt, streamed, printed):
+    tokens = loading.load(run).tokenizer.encode(streamed)
+
+    def interrupted(*args, **kwargs):
+        yield from tokens
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(sample_cli, "stream", interrupted)
+    assert main(["sample", "--ckpt", str(run), "--prompt", prompt]) == 130
+    assert capsys.readouterr() == (printed, "selfattn sample: interrupted\n")  # a line of its own; no blank line
