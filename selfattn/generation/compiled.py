@@ -5,9 +5,9 @@ An eager decode step runs a model's operations one by one from Python: for SmolL
 layers, about 1500 operations a token) that launching took most of the step. ``torch.compile``
 of the whole step (the embedding, every block, the head) makes it one graph of fused loops. It
 pays at batch 1; a batch of 8 rows in bfloat16 was faster eager while graphs served it (the
-timings: ``docs/benchmarks.md``, "Measurements the code cites"). The graph replaces the BLAS form
-``decode_layout`` measured for 8 rows by its own products; that those are the slower part is a
-guess, not yet measured.
+timings: ``docs/benchmarks.md``, "Measurements the code cites"). The graph replaces the few-row form
+``decode_layout`` chose by its own products; that those are the slower part is a guess, not yet
+measured.
 
 One graph for every step and every generation. A step's shapes change with the number of
 cached positions: the position ``past``, each cache's live ``length`` and the keys it returns,
