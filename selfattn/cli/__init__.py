@@ -56,6 +56,7 @@ def main(argv: list[str] | None = None) -> int:
             signal.signal(signal.SIGINT, signal.default_int_handler)  # started: the command cleans up on Ctrl-C
         if unknown:  # the command's usage line, not the top-level one
             args._parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+        _check_text_flags(args)
         return int(args._main(args) or 0)
     except BrokenPipeError:  # the reader went away (``selfattn sample ... | head``): stop quietly
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit flush cannot fail again
@@ -68,6 +69,23 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # also while starting up, when main() is called in a process of its own
         print(f"{name}: interrupted", file=sys.stderr)
         return INTERRUPTED
+
+
+TEXT_FLAGS = ("prompt", "chat", "text")  # flags whose value is text a tokenizer reads
+
+
+def _check_text_flags(args: argparse.Namespace) -> None:
+    """Refuse text flags that are not valid UTF-8 (argv's undecodable bytes reach Python as lone
+    surrogates, which no tokenizer takes), naming the flag and the byte."""
+    for name in TEXT_FLAGS:
+        value = getattr(args, name, None)
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as e:
+                byte = ord(value[e.start]) - 0xDC00 if 0xDC80 <= ord(value[e.start]) <= 0xDCFF else None
+                what = f"byte 0x{byte:02x}" if byte is not None else f"character {value[e.start]!r}"
+                raise ValueError(f"--{name} is not valid UTF-8 text: {what} at character {e.start}") from None
 
 
 INTERRUPTED = 128 + signal.SIGINT  # main()'s status after Ctrl-C: 130, what a shell reports for it

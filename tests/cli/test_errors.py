@@ -160,3 +160,17 @@ def test_a_real_ctrl_c_during_start_up_prints_no_traceback(tmp_path):
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == -signal.SIGINT and err == "selfattn train: interrupted\n", (proc.returncode, err)
+
+
+@pytest.mark.parametrize("command", [["sample", "--ckpt", "nowhere", "--prompt"],
+                                     ["heads", "--ckpt", "nowhere", "--text"]])
+def test_a_text_flag_that_is_not_utf8_is_one_line_naming_the_flag_and_the_byte(command, tmp_path):
+    argv = [*command, b"caf\xe9".decode("utf-8", "surrogateescape")]  # as Python reads an argv byte that is not UTF-8
+    done = subprocess.run([sys.executable, "-m", "selfattn", *argv], capture_output=True, text=True, timeout=120,
+                          errors="surrogateescape", cwd=tmp_path)
+    flag = command[-1]
+    assert done.returncode == 2 and done.stderr == (
+        f"selfattn {command[0]}: error: {flag} is not valid UTF-8 text: byte 0xe9 at character 3\n"), done.stderr
+    good = subprocess.run([sys.executable, "-m", "selfattn", *command, "café"], capture_output=True, text=True,
+                          timeout=120, cwd=tmp_path)  # control: the same text in UTF-8 goes on (to the missing model)
+    assert "UTF-8" not in good.stderr
