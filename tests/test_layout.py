@@ -141,6 +141,8 @@ def test_nothing_at_or_below_the_model_imports_what_sits_above_it():
     graph = _graph()
     assert not _imports_of(graph, AT_OR_BELOW_THE_MODEL, ABOVE_THE_MODEL)
     assert not _imports_of(graph, ("selfattn.kernels",), ("selfattn.backends", "selfattn.attention", "selfattn.model"))
+    assert not _imports_of(graph, ("selfattn.io",), ("selfattn.training", "selfattn.audit", "selfattn.analysis",
+                                                     "selfattn.cli"))  # loading reads checkpoints; training writes them
     assert _imports_of({"selfattn.model": {"selfattn.generation.steps"}}, AT_OR_BELOW_THE_MODEL,
                        ABOVE_THE_MODEL) == ["selfattn.model -> selfattn.generation.steps"]  # negative control
 

@@ -31,12 +31,11 @@ import torch
 from selfattn import _validate, families
 from selfattn._validate import one_line
 from selfattn.config import GPTConfig
-from selfattn.io.formats import hf_folder
+from selfattn.io.formats import checkpoint, hf_folder
 from selfattn.io.formats.jsonfile import json_object as _json_object
 from selfattn.model import GPT
 from selfattn.tokenizers import BPETokenizer, ByteTokenizer, from_spec
 from selfattn.tokenizers.chat import ChatTemplate
-from selfattn.training import checkpoint
 
 GPT2_EOT = "<|endoftext|>"  # GPT-2's end-of-text token: an empty prompt starts from it
 
@@ -71,7 +70,7 @@ class Loaded:
 def load(path: str | os.PathLike) -> Loaded:
     """The model at ``path`` (see the module docstring for the kinds of path).
 
-    Raises ``ValueError`` (a :class:`~selfattn.training.checkpoint.CheckpointError` for a
+    Raises ``ValueError`` (a :class:`~selfattn.io.formats.checkpoint.CheckpointError` for a
     damaged file) naming the path when it holds no model this library can read, and naming the
     tensor when a weight is NaN or infinite (a damaged file, a NaN quantisation scale): checked
     once, here, so no command samples from or audits such a model.

@@ -133,7 +133,7 @@ def test_the_digest_checker_can_fail(saved):
 
     tensors, header = checkpoint.read(saved)
     header["meta"]["step"] = 9
-    header["sha256"] = checkpoint._digest(tensors, header)
+    header["sha256"] = checkpoint.digest(tensors, header)
     save_file(tensors, str(saved), metadata={"selfattn": json.dumps(header)})
     assert checkpoint.load(saved) == {"step": 9}
 

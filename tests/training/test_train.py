@@ -178,7 +178,7 @@ def test_resuming_a_many_process_run_in_one_process_says_the_value_is_the_runs(t
     ckpt = out / "ckpt-0000002.safetensors"
     tensors, header = checkpoint.read(ckpt)  # as if the run had been launched with torchrun and `key`
     header["meta"]["train"][key] = value
-    header["sha256"] = checkpoint._digest(tensors, header)
+    header["sha256"] = checkpoint.digest(tensors, header)
     checkpoint._write_atomic(ckpt, tensors, json.dumps(header))
     capsys.readouterr()
     assert main(["train", "--resume", "--out", str(out), "--max-steps", "3"]) == 2
