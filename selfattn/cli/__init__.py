@@ -21,6 +21,7 @@ COMMANDS = {  # name -> one-line help; the module is selfattn.cli.<name>
     "check": "audit causality: every backend x option, a tiny GPT and its KV cache, or your module",
     "train": "train a GPT on text (built-in corpus or --data); torchrun for DDP/FSDP; --resume",
     "sample": "stream text (or a chat answer) from a trained run, a transformers folder or a GGUF file",
+    "eval": "a model's loss and perplexity on a text file, over sliding windows as transformers' guide reads it",
     "heads": "attention maps and ranked head roles (previous-token, induction) of a model",
     "induction": "train a 2-layer attention-only GPT until induction heads form; 4 heads vs 1",
     "scaling": "why scores are scaled by 1/sqrt(head_dim): the softmax at init, three scalings",

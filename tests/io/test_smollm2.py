@@ -150,3 +150,42 @@ def test_bench_decode_times_it_against_transformers(tmp_path, capsys):
     result = json.loads((tmp_path / "decode.json").read_text())
     assert result["ckpt"]["name"] == "SmolLM2-135M-Instruct.Q4_1" and result["ckpt"]["params"] > 134e6
     assert "SmolLM2-135M-Instruct.Q4_1 float32: cached vs full" in capsys.readouterr().out
+
+
+PARAGRAPH = (
+    "The lighthouse stood at the end of a narrow spit of rock, and for more than a hundred years its keepers had "
+    "climbed the same spiral stairs every evening to light the lamp. In the early days the light came from whale "
+    "oil, which smoked and had to be trimmed through the night; later it was kerosene, and at last electricity, "
+    "which needed no one at all. The final keeper left in the spring of the year the light was automated. He "
+    "packed his books, his charts and a small brass telescope, and walked back along the causeway at low tide "
+    "without looking behind him. People in the village said that he had been glad to go, but the children who "
+    "visited him in the years that followed remembered that he always asked whether the light was still turning. "
+    "Ships no longer needed it much by then. Satellites told every captain where he was to within a few metres, "
+    "and the great lens, ground by hand in a workshop in Paris, turned for nobody in particular. Still, on stormy "
+    "nights the fishermen looked for it as they came round the headland, and when they saw the long white beam "
+    "sweep across the water they felt, without quite knowing why, that they were nearly home. When the council "
+    "proposed to switch it off to save money, the whole village came to the meeting, and the proposal was quietly "
+    "withdrawn before the end of the evening."
+)
+
+
+@pytest.mark.slow
+def test_perplexity_equals_transformers_reading_the_same_file(ours):
+    """Our perplexity over windows of 128 tokens every 64 is what the loop of transformers' guide
+    computes with transformers' model of the same file, on the same ids."""
+    from selfattn.training.evaluate import perplexity
+
+    from helpers.perplexity import guide_perplexity
+
+    path = smollm2()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    hf.eval()
+    ids = ours.tokenizer.encode(PARAGRAPH)
+    got = perplexity(ours.model, ids, window=128, stride=64)
+    loss, predicted = guide_perplexity(hf, ids, 128, 64)
+    expected = torch.tensor(loss, dtype=torch.float64).exp().item()
+    print(f"SmolLM2 Q4_1 on {len(ids)} tokens, {got.windows} windows: perplexity ours {got.perplexity:.5f}, "
+          f"transformers {expected:.5f}, relative difference {abs(got.perplexity / expected - 1):.1e}")
+    assert 250 <= len(ids) <= 400 and got.tokens == predicted == len(ids) - 1 and got.windows >= 4
+    assert got.perplexity == pytest.approx(expected, rel=1e-3)
+    assert 1 < got.perplexity < 100  # English text: a model that reads it predicts it

@@ -1,0 +1,79 @@
+"""A model's loss and perplexity on a text file.
+
+``--ckpt`` takes any path ``selfattn sample`` takes: a run folder of ``selfattn train``, a
+checkpoint file, a local folder written by ``transformers``' ``save_pretrained`` or a GGUF file
+(see :mod:`selfattn.io.loading`). ``--data`` is a UTF-8 text file, tokenized with the model's own
+tokenizer.
+
+The text is read in windows of ``--window`` tokens (default: the model's ``block_size``), one
+starting every ``--stride`` tokens (default: ``--window``, disjoint windows), as transformers'
+perplexity guide reads it (:mod:`selfattn.training.evaluate`): each window predicts the tokens
+past the previous one's end, so a smaller stride gives each token more context, for more
+forwards. Prints the loss in nats per predicted token and, last, the perplexity, its exponential.
+"""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from selfattn import _validate
+from selfattn.io.loading import load
+from selfattn.training.data import read_corpus
+from selfattn.training.evaluate import perplexity
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--ckpt", required=True, metavar="PATH", default=argparse.SUPPRESS,
+                   help="run folder, checkpoint file, local folder saved by transformers, or GGUF file")
+    p.add_argument("--data", required=True, metavar="FILE", default=argparse.SUPPRESS,
+                   help="a UTF-8 text file, tokenized with the model's tokenizer")
+    p.add_argument("--window", type=int, default=None, metavar="N",
+                   help="tokens a window reads; unset: the model's block_size")
+    p.add_argument("--stride", type=int, default=None, metavar="N",
+                   help="tokens from one window's start to the next, at most --window; unset: --window "
+                        "(disjoint windows); smaller: more context per token, more forwards")
+    p.add_argument("--device", default="auto", help="'auto' (the accelerator if any, else CPU) or a torch device")
+
+
+def main(args: argparse.Namespace) -> int:
+    check_flags(args)  # before the model is loaded: seconds
+    text = read_text(args.data)
+    device = _validate.device(args.device)
+    loaded = load(args.ckpt)
+    window = loaded.model.config.block_size if args.window is None else args.window
+    if args.stride is not None and args.stride > window:
+        raise ValueError(f"--stride {args.stride} is larger than the model's block_size {window}, the default "
+                         f"--window; pass a smaller --stride")
+    ids = loaded.require_tokenizer().encode(text)
+    if len(ids) < 2:
+        raise ValueError(f"--data {args.data!r} is {len(ids)} token(s) long with the tokenizer of {loaded.source}; "
+                         f"a perplexity needs at least 2")
+    result = perplexity(loaded.model.to(device), ids, window=window, stride=args.stride)
+    cfg = loaded.model.config
+    print(f"selfattn eval: {loaded.source}: {cfg.n_layer} layers x {cfg.n_head} heads, C={cfg.n_embd}, "
+          f"{loaded.model.num_params() / 1e6:.2f}M parameters, on {device}")
+    print(f"  {args.data}: {len(ids):,} tokens, {result.tokens:,} predicted")
+    print(f"  {result.windows:,} window{'s' * (result.windows != 1)} of up to {result.window} tokens, "
+          f"stride {result.stride}")
+    print(f"loss {result.loss:.6g}")
+    print(f"perplexity {result.perplexity:.6g}")
+    return 0
+
+
+def check_flags(args: argparse.Namespace) -> None:
+    """The flags' values that need no model, checked before it is loaded."""
+    for flag in ("window", "stride"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise ValueError(f"--{flag} must be a positive number of tokens, got {value}")
+    if args.window is not None and args.stride is not None and args.stride > args.window:
+        raise ValueError(f"--stride {args.stride} is larger than --window {args.window}: the tokens between two "
+                         f"windows would never be predicted")
+
+
+def read_text(path: str) -> str:
+    """The text of the file ``path``; a ValueError naming it for a folder, a missing, empty, device
+    or non-UTF-8 file."""
+    if Path(path).is_dir():
+        raise ValueError(f"--data {path!r} is a folder; give a text file")
+    return read_corpus(path)[0]
