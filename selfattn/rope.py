@@ -28,6 +28,8 @@ import math
 import torch
 from torch import Tensor
 
+from selfattn import _validate
+
 # rope_type -> the parameters it needs (beyond rope_type) and those it may have
 _REQUIRED = {"default": (), "linear": ("factor",),
              "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
@@ -36,28 +38,51 @@ _REQUIRED = {"default": (), "linear": ("factor",),
 _OPTIONAL = {"yarn": ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "truncate"),
              "longrope": ("factor", "attention_factor")}
 ROPE_TYPES = tuple(_REQUIRED)
+_POSITIVE = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings", "attention_factor",
+             "beta_fast", "beta_slow")  # the parameters that are finite numbers > 0
 
 
-def check_scaling(scaling, rotary_dim: int) -> dict | None:
+def check_scaling(scaling, rotary_dim: int, name: str = "rope_scaling") -> dict | None:
     """``scaling`` as a RoPE rule (see the module docstring), or None for "default"; a
-    ValueError naming what is missing, unknown or of the wrong size."""
+    ValueError (TypeError for a value of the wrong type) naming ``name``, the rule's field, and
+    the parameter that is missing, unknown, of the wrong size or not one the rule computes with."""
     if scaling is None:
         return None
     if not isinstance(scaling, dict):
-        raise TypeError(f"rope_scaling must be a dict with a 'rope_type', got {type(scaling).__name__}")
+        raise TypeError(f"{name} must be a dict with a 'rope_type', got {type(scaling).__name__}")
     rope_type = scaling.get("rope_type")
     if rope_type not in _REQUIRED:
-        raise ValueError(f"rope_type must be one of {', '.join(map(repr, ROPE_TYPES))}, got {rope_type!r}")
+        raise ValueError(f"{name}.rope_type must be one of {', '.join(map(repr, ROPE_TYPES))}, got {rope_type!r}")
     missing = [key for key in _REQUIRED[rope_type] if scaling.get(key) is None]
     unknown = sorted(set(scaling) - {"rope_type", *_REQUIRED[rope_type], *_OPTIONAL.get(rope_type, ())})
     if missing or unknown:
         got = [f"no {', '.join(missing)}"] * bool(missing) + [f"unknown {', '.join(unknown)}"] * bool(unknown)
-        raise ValueError(f"rope_type {rope_type!r} needs {', '.join(_REQUIRED[rope_type]) or 'no parameters'}; "
-                         f"got {' and '.join(got)}")
+        needs = ", ".join(_REQUIRED[rope_type]) or "no parameters"
+        raise ValueError(f"{name}: rope_type {rope_type!r} needs {needs}; got {' and '.join(got)}")
+    for key, value in scaling.items():  # a factor of 0 divides by zero; inf, NaN or < 0 is no frequency
+        if value is None:
+            continue
+        if key in _POSITIVE:
+            _validate.positive_number(f"{name}.{key}", value)
+        elif key in ("mscale", "mscale_all_dim"):
+            _validate.positive_number(f"{name}.{key}", value, above=-math.inf)  # finite; 0 reads as not given
+        elif key == "truncate":
+            _validate.flag(f"{name}.truncate", value)
+    if rope_type == "llama3" and scaling["high_freq_factor"] <= scaling["low_freq_factor"]:
+        raise ValueError(f"{name}.high_freq_factor must be greater than low_freq_factor (the ramp between "
+                         f"them divides by their difference), got {scaling['high_freq_factor']!r} and "
+                         f"{scaling['low_freq_factor']!r}")
     for key in ("short_factor", "long_factor"):
-        if key in scaling and len(scaling[key]) != rotary_dim // 2:
-            raise ValueError(f"rope {key} must hold rotary_dim / 2 = {rotary_dim // 2} factors, "
-                             f"got {len(scaling[key])}")
+        if key in scaling:
+            factors = scaling[key]
+            if not isinstance(factors, list | tuple):
+                raise TypeError(f"{name}.{key} must be a list of rotary_dim / 2 = {rotary_dim // 2} factors, "
+                                f"got {type(factors).__name__} {factors!r}")
+            if len(factors) != rotary_dim // 2:
+                raise ValueError(f"{name}.{key} must hold rotary_dim / 2 = {rotary_dim // 2} factors, "
+                                 f"got {len(factors)}")
+            for factor in factors:
+                _validate.positive_number(f"{name}.{key}", factor)
     return None if rope_type == "default" else dict(scaling)
 
 

@@ -97,10 +97,38 @@ def test_partial_rotary_rotates_the_first_channels_only():
     ({"rope_type": "linear", "factor": 2.0, "beta": 1}, "unknown beta"),
     ({"rope_type": "longrope", "short_factor": [1.0], "long_factor": [1.0], "original_max_position_embeddings": 8},
      "must hold rotary_dim / 2 = 16 factors, got 1"),
+    # a factor of 0 divides by zero, a negative one or inf gives no frequency: each one a NaN or a wrong angle
+    ({"rope_type": "linear", "factor": 0}, r"^rope_scaling.factor must be a finite number > 0, got 0$"),
+    ({"rope_type": "linear", "factor": -2.0}, r"^rope_scaling.factor must be a finite number > 0, got -2.0$"),
+    ({"rope_type": "yarn", "factor": math.inf, "original_max_position_embeddings": 64}, "factor .* got inf"),
+    ({"rope_type": "yarn", "factor": -4.0, "original_max_position_embeddings": 64}, "factor .* got -4.0"),
+    ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 0}, "original_max_position_embed"),
+    ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "beta_fast": math.nan}, "beta_fast"),
+    ({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 2.0, "high_freq_factor": 2.0,
+      "original_max_position_embeddings": 64}, "high_freq_factor must be greater than low_freq_factor"),
+    ({"rope_type": "longrope", "short_factor": [1.0] * 15 + [0.0], "long_factor": [1.0] * 16,
+      "original_max_position_embeddings": 64}, r"short_factor must be a finite number > 0, got 0.0"),
 ])
 def test_a_rule_rope_cannot_compute_is_refused_naming_it(scaling, words):
     with pytest.raises(ValueError, match=words):
         check_scaling(scaling, ROTARY)
+
+
+@pytest.mark.parametrize("scaling, words", [
+    ({"rope_type": "linear", "factor": "2"}, "rope_scaling.factor must be a number, got str '2'"),
+    ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "truncate": "no"},
+     "rope_scaling.truncate must be True or False"),
+    ({"rope_type": "longrope", "short_factor": 1.0, "long_factor": [1.0] * 16, "original_max_position_embeddings": 64},
+     "rope_scaling.short_factor must be a list of rotary_dim / 2 = 16 factors, got float 1.0"),
+])
+def test_a_rule_parameter_of_the_wrong_type_is_a_type_error_naming_it(scaling, words):
+    with pytest.raises(TypeError, match=words):
+        check_scaling(scaling, ROTARY)
+
+
+def test_a_factor_below_one_compresses_and_is_computed():  # control: refused are the rules without frequencies
+    scaling = check_scaling({"rope_type": "linear", "factor": 0.5}, ROTARY)
+    assert torch.allclose(rope_frequencies(ROTARY, BASE, scaling)[0], 2 * rope_frequencies(ROTARY, BASE)[0])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

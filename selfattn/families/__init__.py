@@ -3,16 +3,19 @@
 
 One small file per family. Each has
 - ``MODEL_TYPES``: the ``model_type`` values of ``config.json`` it serves;
-- ``config(hf, where) -> GPTConfig``: the decoder the ``config.json`` dict ``hf`` describes; a
-  ValueError naming ``where`` (the file) and the key for anything the decoder cannot compute;
+- ``config(hf, where, blocks=None) -> GPTConfig``: the decoder the ``config.json`` dict ``hf``
+  describes; a ValueError naming ``where`` (the file) and the key for anything the decoder cannot
+  compute, or for more layers than the ``blocks`` the weights hold (when known);
+- ``LAYER``: the folder's prefix of the tensors of layer i (``"model.layers.{i}."``);
 - ``sources(key, config) -> list[str]``: the names of the folder's tensors that make our tensor
   ``key``, concatenated along dim 0 when there are several (q, k, v into the fused ``qkv``);
 - optionally ``IGNORED``: a pattern of tensor names that carry no weights (buffers older files kept);
 - optionally ``arrange(key, tensor, config) -> Tensor``: our tensor ``key`` made of its concatenated
   sources, rearranged (rows the folder interleaves otherwise, say); without it, as it is.
 
-:func:`load` (or :func:`state_dict`) does the rest for every family. GPT-2 folders are still read
-through ``transformers`` by :mod:`selfattn.io.hf`.
+:func:`empty` builds the decoder once its sizes are checked against the tensors, then :func:`load`
+(or :func:`state_dict`) fills it, for every family. GPT-2 folders are still read through
+``transformers`` by :mod:`selfattn.io.hf`.
 """
 from __future__ import annotations
 
@@ -22,11 +25,37 @@ import torch
 from torch import Tensor
 
 from selfattn._validate import listed
-from selfattn.families import bloom, gemma, gpt_oss, llama, olmo2, phi3
+from selfattn.families import _names, bloom, gemma, gpt_oss, llama, olmo2, phi3
 from selfattn.model import GPT
 
 FAMILIES = {model_type: family for family in (llama, gemma, phi3, olmo2, bloom, gpt_oss)
             for model_type in family.MODEL_TYPES}
+
+
+def empty(family, hf: dict, tensors: Mapping[str, Tensor], where: str, config_where: str) -> GPT:
+    """The decoder ``hf`` describes (a ``config.json`` dict, read from ``config_where``), its weights
+    allocated and left for :func:`load` to fill with ``tensors`` (those of ``where``).
+
+    The file's sizes are checked against the tensors before anything is allocated, so a
+    ``config.json`` that claims more than its weights hold is one ValueError naming it, never an
+    allocation the machine cannot make: more layers than the tensors' names show (before anything
+    is built per layer), an embedding of another shape than ``vocab_size`` x ``hidden_size``, then
+    every tensor missing, left over or of another shape (:func:`state_dict`'s refusals), checked on
+    the model built without storage (on the meta device).
+    """
+    config = family.config(hf, config_where, _names.layers(tensors, family.LAYER))
+    embedding = family.sources("wte.weight", config)[0]
+    if embedding in tensors and _shape(tensors, embedding) != (config.vocab_size, config.n_embd):
+        raise ValueError(f"{config_where}: vocab_size {config.vocab_size} and hidden_size {config.n_embd} make "
+                         f"{embedding} ({config.vocab_size}, {config.n_embd}), but {where} holds it as "
+                         f"{_shape(tensors, embedding)}")
+    try:
+        with torch.device("meta"):
+            sizes_only = GPT(config)
+    except (TypeError, ValueError) as e:  # sizes the attention refuses (a window, rope_dims)
+        raise type(e)(f"{config_where}: {e}") from None
+    _plan(family, tensors, sizes_only, where)
+    return GPT.empty(config)
 
 
 def load(family, tensors: Mapping[str, Tensor], model: GPT, where: str) -> None:
@@ -89,6 +118,7 @@ def _plan(family, tensors: Mapping[str, Tensor], model: GPT, where: str) -> list
             reshaped.append(f"{' + '.join(names)} {' + '.join(str(s) for s in shapes)} instead of {tuple(like.shape)}")
     ignored = getattr(family, "IGNORED", None)
     unexpected = [name for name in tensors if name not in used and not (ignored and ignored.fullmatch(name))]
+    reshaped = list(dict.fromkeys(reshaped))  # a tied head is the embedding: said once
     wrong = [f"{kind} {listed(names)}" for kind, names in (("missing", missing), ("unexpected", unexpected),
                                                            ("of another shape", reshaped)) if names]
     if wrong:

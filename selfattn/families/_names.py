@@ -7,6 +7,7 @@ dim 0 (q, k, v into the fused ``qkv``). The names outside the blocks have a tabl
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 
 from selfattn.config import GPTConfig
 
@@ -30,3 +31,11 @@ def sources(key: str, config: GPTConfig, *, outside: dict[str, str], layer: str,
         module, param = name.rsplit(".", 1)
         theirs, suffix = in_layer.get(module, module), "." + param
     return [prefix + t + suffix for t in ([theirs] if isinstance(theirs, str) else theirs)]
+
+
+def layers(names: Iterable[str], layer: str) -> int:
+    """How many layers the tensor ``names`` hold: the distinct i of the names under ``layer``, the
+    folder's prefix of layer i (``"model.layers.{i}."``)."""
+    before, _, after = layer.partition("{i}")
+    pattern = re.compile(re.escape(before) + r"(\d+)" + re.escape(after))
+    return len({int(m.group(1)) for m in map(pattern.match, names) if m})

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from selfattn import _validate
 from selfattn.config import GPTConfig
 from selfattn.families import _config, _names
 
@@ -25,27 +24,30 @@ OUTSIDE = {"wte.weight": "transformer.word_embeddings.weight",
            "ln_emb.weight": "transformer.word_embeddings_layernorm.weight",
            "ln_emb.bias": "transformer.word_embeddings_layernorm.bias", "ln_f.weight": "transformer.ln_f.weight",
            "ln_f.bias": "transformer.ln_f.bias", "lm_head.weight": "lm_head.weight"}
+LAYER = "transformer.h.{i}."  # the folder's prefix of layer i
 IN_LAYER = {"ln_1": "input_layernorm", "ln_2": "post_attention_layernorm", "attn.qkv": "self_attention.query_key_value",
             "attn.proj": "self_attention.dense", "mlp.c_fc": "mlp.dense_h_to_4h", "mlp.c_proj": "mlp.dense_4h_to_h"}
 
 
 @_config.naming_the_file
-def config(hf: dict) -> GPTConfig:
+def config(hf: dict, blocks: int | None = None) -> GPTConfig:
     """BLOOM's decoder that ``config.json`` (the dict ``hf``) describes; ``config(hf, where)`` names the file."""
     hf = {"n_layer": hf.get("num_hidden_layers"), "n_head": hf.get("num_attention_heads"), **hf}  # either name
     c = _config.filled(hf, _DEFAULTS, ("vocab_size", "hidden_size", "n_layer", "n_head"))
     if c["apply_residual_connection_post_layernorm"]:
         raise ValueError("apply_residual_connection_post_layernorm is not supported: the residual stream carries "
                          "each block's input, not its normed input")
-    return GPTConfig(vocab_size=c["vocab_size"], block_size=BLOCK_SIZE, n_layer=_validate.positive_int(
-                         "n_layer", c["n_layer"]), n_head=c["n_head"], n_embd=c["hidden_size"], bias=True, pos="none",
+    n_layer = _config.layers(c, blocks, "n_layer")
+    n_head, _, _ = _config.heads(c, None, "n_head")
+    return GPTConfig(vocab_size=c["vocab_size"], block_size=BLOCK_SIZE, n_layer=n_layer, n_head=n_head,
+                     n_embd=c["hidden_size"], bias=True, pos="none",
                      alibi=True, mlp_kind="gelu", gelu_approximate="tanh", norm="layernorm",
                      layer_norm_eps=c["layer_norm_epsilon"], embedding_norm=True,
                      tie_embeddings=c["tie_word_embeddings"])
 
 
 def sources(key: str, config: GPTConfig) -> list[str]:
-    return _names.sources(key, config, outside=OUTSIDE, layer="transformer.h.{i}.", in_layer=IN_LAYER)
+    return _names.sources(key, config, outside=OUTSIDE, layer=LAYER, in_layer=IN_LAYER)
 
 
 def arrange(key: str, tensor: Tensor, config: GPTConfig) -> Tensor:

@@ -30,12 +30,13 @@ _DEFAULTS = {  # what transformers' Gemma2Config and Gemma3TextConfig assume
 }
 _SLIDES = {"gemma2": lambda c, i: (i + 1) % 2, "gemma3_text": lambda c, i: (i + 1) % c.get("sliding_window_pattern", 6)}
 _GELU = {"gelu_pytorch_tanh": "tanh", "gelu": "none"}  # transformers' ACT2FN name -> GELU's approximate
+LAYER = llama.LAYER
 IN_LAYER = {**llama.IN_LAYER, "post_ln_1": "post_attention_layernorm", "ln_2": "pre_feedforward_layernorm",
             "post_ln_2": "post_feedforward_layernorm"}
 
 
 @_config.naming_the_file
-def config(hf: dict) -> GPTConfig:
+def config(hf: dict, blocks: int | None = None) -> GPTConfig:
     """The Gemma decoder that ``config.json`` (the dict ``hf``) describes; ``config(hf, where)`` names the file."""
     model_type = hf["model_type"]
     c = _config.filled(hf, _DEFAULTS[model_type])
@@ -44,17 +45,19 @@ def config(hf: dict) -> GPTConfig:
                          f"{', '.join(map(repr, _GELU))}")
     if c["use_bidirectional_attention"]:
         raise ValueError("use_bidirectional_attention is not supported: selfattn's decoder is causal")
-    n_layer = _validate.positive_int("num_hidden_layers", c["num_hidden_layers"])
+    n_layer = _config.layers(c, blocks)
+    n_head, n_kv_head, head_dim = _config.heads(c, c["head_dim"])
     slides = _config.layer_types(c, n_layer, lambda i: _SLIDES[model_type](c, i))
-    rope = _config.rope(c, c["head_dim"], default_theta=c["rope_theta"])
+    rope = _config.rope(c, head_dim, default_theta=c["rope_theta"])
     if model_type == "gemma3_text" and "window_rope_base" not in rope:  # an older file: the local base on its own
-        rope["window_rope_base"] = float(c["rope_local_base_freq"])
+        rope["window_rope_base"] = _validate.positive_number("rope_local_base_freq", c["rope_local_base_freq"])
+    scalar = _validate.positive_number("query_pre_attn_scalar", c["query_pre_attn_scalar"])
     return GPTConfig(vocab_size=c["vocab_size"], block_size=c["max_position_embeddings"], n_layer=n_layer,
-                     n_head=c["num_attention_heads"], n_embd=c["hidden_size"], n_kv_head=c["num_key_value_heads"],
-                     head_dim=c["head_dim"], bias=False, qkv_bias=c["attention_bias"], proj_bias=c["attention_bias"],
-                     pos="rope", **rope, **_config.windows(c, slides), softcap=c["attn_logit_softcapping"],
-                     attn_scale=c["query_pre_attn_scalar"] ** -0.5, qk_norm="head" if model_type == "gemma3_text"
-                     else None, mlp_kind="geglu", intermediate_size=c["intermediate_size"],
+                     n_head=n_head, n_embd=c["hidden_size"], n_kv_head=n_kv_head, head_dim=head_dim, bias=False,
+                     qkv_bias=c["attention_bias"], proj_bias=c["attention_bias"], pos="rope", **rope,
+                     **_config.windows(c, slides), softcap=c["attn_logit_softcapping"], attn_scale=scalar ** -0.5,
+                     qk_norm="head" if model_type == "gemma3_text" else None, mlp_kind="geglu",
+                     intermediate_size=c["intermediate_size"],
                      gelu_approximate=_GELU[c["hidden_activation"]], norm="rmsnorm", layer_norm_eps=c["rms_norm_eps"],
                      norm_offset=1.0, norm_weight_in_float32=True, norm_position="sandwich",
                      embedding_scale=c["hidden_size"] ** 0.5, tie_embeddings=c["tie_word_embeddings"],
@@ -62,7 +65,7 @@ def config(hf: dict) -> GPTConfig:
 
 
 def sources(key: str, config: GPTConfig) -> list[str]:
-    return _names.sources(key, config, outside=llama.OUTSIDE, layer="model.layers.{i}.", in_layer=IN_LAYER)
+    return _names.sources(key, config, outside=llama.OUTSIDE, layer=LAYER, in_layer=IN_LAYER)
 
 
 _CLASSES = {"gemma2": "Gemma2", "gemma3_text": "Gemma3"}
@@ -91,6 +94,7 @@ def hf_config(config: GPTConfig, model_type: str) -> dict:
                 head_dim=head_dim, hidden_activation={v: k for k, v in _GELU.items()}[c.gelu_approximate],
                 max_position_embeddings=c.block_size, rms_norm_eps=c.layer_norm_eps,
                 tie_word_embeddings=c.tie_embeddings, attention_bias=bool(c.qkv_bias),
-                query_pre_attn_scalar=round((c.attn_scale or head_dim ** -0.5) ** -2), sliding_window=c.window,
+                query_pre_attn_scalar=round((c.attn_scale or head_dim ** -0.5) ** -2),
+                sliding_window=c.window or c.block_size,  # no layer slides: transformers still asks for one
                 layer_types=[("sliding_attention" if s else "full_attention") for s in slides],
                 attn_logit_softcapping=c.softcap, final_logit_softcapping=c.logit_softcap, rope_parameters=rope)

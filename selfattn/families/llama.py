@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import re
 
-from selfattn import _validate
 from selfattn.config import GPTConfig
 from selfattn.families import _config, _names
 
@@ -43,6 +42,7 @@ _SLIDES = {
     "qwen2": lambda c, i: i >= c["max_window_layers"],
     "qwen3": lambda c, i: i >= c["max_window_layers"],
 }
+LAYER = "model.layers.{i}."  # the folder's prefix of layer i
 IGNORED = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")  # a buffer older files kept
 OUTSIDE = {"wte.weight": "model.embed_tokens.weight", "ln_f.weight": "model.norm.weight",
            "lm_head.weight": "lm_head.weight"}  # our name -> theirs, outside the layers
@@ -53,20 +53,20 @@ IN_LAYER = {"ln_1": "input_layernorm", "ln_2": "post_attention_layernorm",
 
 
 @_config.naming_the_file
-def config(hf: dict) -> GPTConfig:
+def config(hf: dict, blocks: int | None = None) -> GPTConfig:
     """The decoder ``config.json`` (the dict ``hf``, read from ``where``) describes; a
     ValueError or TypeError naming ``where`` for what it cannot compute."""
     model_type = hf["model_type"]
     c = _config.filled(hf, _DEFAULTS[model_type])
     _config.silu(c)
-    n_head, n_layer = c["num_attention_heads"], _validate.positive_int("num_hidden_layers", c["num_hidden_layers"])
+    n_layer = _config.layers(c, blocks)
+    n_head, n_kv_head, head_dim = _config.heads(c, c["head_dim"])
     if model_type.startswith("qwen") and not c["use_sliding_window"]:
         c["sliding_window"] = None  # as transformers' Qwen configs do
     slides = _config.layer_types(c, n_layer, lambda i: _SLIDES[model_type](c, i))
-    head_dim = c["head_dim"] or c["hidden_size"] // n_head
     qkv_bias, proj_bias, mlp_bias = (c[b] if isinstance(b, str) else b for b in _BIASES[model_type])
     return GPTConfig(vocab_size=c["vocab_size"], block_size=c["max_position_embeddings"], n_layer=n_layer,
-                     n_head=n_head, n_embd=c["hidden_size"], n_kv_head=c["num_key_value_heads"] or n_head,
+                     n_head=n_head, n_embd=c["hidden_size"], n_kv_head=n_kv_head,
                      head_dim=c["head_dim"], bias=mlp_bias, qkv_bias=qkv_bias, proj_bias=proj_bias, pos="rope",
                      **_config.rope(c, head_dim), **_config.windows(c, slides), mlp_kind="swiglu",
                      intermediate_size=c["intermediate_size"], norm="rmsnorm", layer_norm_eps=c["rms_norm_eps"],
@@ -75,7 +75,7 @@ def config(hf: dict) -> GPTConfig:
 
 def sources(key: str, config: GPTConfig) -> list[str]:
     """The folder's tensors that make our tensor ``key`` (several: stacked along dim 0)."""
-    return _names.sources(key, config, outside=OUTSIDE, layer="model.layers.{i}.", in_layer=IN_LAYER)
+    return _names.sources(key, config, outside=OUTSIDE, layer=LAYER, in_layer=IN_LAYER)
 
 
 _CLASSES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}

@@ -10,7 +10,6 @@ Weights: as Llama's, with ``post_attention_layernorm`` -> ``post_ln_1`` and
 """
 from __future__ import annotations
 
-from selfattn import _validate
 from selfattn.config import GPTConfig
 from selfattn.families import _config, _names, llama
 
@@ -18,25 +17,27 @@ MODEL_TYPES = ("olmo2",)
 
 _DEFAULTS = dict(num_key_value_heads=None, hidden_act="silu", max_position_embeddings=2048, rms_norm_eps=1e-5,
                  tie_word_embeddings=False, attention_bias=False, rope_theta=10000.0)  # transformers' Olmo2Config
+LAYER = llama.LAYER
 IN_LAYER = {**llama.IN_LAYER, "post_ln_1": "post_attention_layernorm", "post_ln_2": "post_feedforward_layernorm"}
 
 
 @_config.naming_the_file
-def config(hf: dict) -> GPTConfig:
+def config(hf: dict, blocks: int | None = None) -> GPTConfig:
     """OLMo 2's decoder that ``config.json`` (the dict ``hf``) describes; ``config(hf, where)`` names the file."""
     c = _config.filled(hf, _DEFAULTS)
     _config.silu(c)
-    n_head, n_layer = c["num_attention_heads"], _validate.positive_int("num_hidden_layers", c["num_hidden_layers"])
+    n_layer = _config.layers(c, blocks)
+    n_head, n_kv_head, head_dim = _config.heads(c, None)  # OLMo 2's head is hidden_size / H
     return GPTConfig(vocab_size=c["vocab_size"], block_size=c["max_position_embeddings"], n_layer=n_layer,
-                     n_head=n_head, n_embd=c["hidden_size"], n_kv_head=c["num_key_value_heads"] or n_head, bias=False,
+                     n_head=n_head, n_embd=c["hidden_size"], n_kv_head=n_kv_head, bias=False,
                      qkv_bias=c["attention_bias"], proj_bias=c["attention_bias"], pos="rope",
-                     **_config.rope(c, c["hidden_size"] // n_head), qk_norm="projection", mlp_kind="swiglu",
+                     **_config.rope(c, head_dim), qk_norm="projection", mlp_kind="swiglu",
                      intermediate_size=c["intermediate_size"], norm="rmsnorm", layer_norm_eps=c["rms_norm_eps"],
                      norm_weight_in_float32=True, norm_position="post", tie_embeddings=c["tie_word_embeddings"])
 
 
 def sources(key: str, config: GPTConfig) -> list[str]:
-    return _names.sources(key, config, outside=llama.OUTSIDE, layer="model.layers.{i}.", in_layer=IN_LAYER)
+    return _names.sources(key, config, outside=llama.OUTSIDE, layer=LAYER, in_layer=IN_LAYER)
 
 
 def arch(model_type: str, sizes: dict) -> dict:

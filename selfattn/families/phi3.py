@@ -8,7 +8,6 @@ window over every layer when ``sliding_window`` is set; an untied head.
 """
 from __future__ import annotations
 
-from selfattn import _validate
 from selfattn.config import GPTConfig
 from selfattn.families import _config, _names, llama
 
@@ -17,26 +16,28 @@ MODEL_TYPES = ("phi3",)
 _DEFAULTS = dict(num_key_value_heads=None, hidden_act="silu", max_position_embeddings=4096,
                  original_max_position_embeddings=4096, rms_norm_eps=1e-5, tie_word_embeddings=False,
                  rope_theta=10000.0, sliding_window=None)  # what transformers' Phi3Config assumes
+LAYER = llama.LAYER
 IN_LAYER = {**llama.IN_LAYER, "attn.qkv": "self_attn.qkv_proj", "mlp.gate_up_proj": "mlp.gate_up_proj"}
 
 
 @_config.naming_the_file
-def config(hf: dict) -> GPTConfig:
+def config(hf: dict, blocks: int | None = None) -> GPTConfig:
     """Phi-3's decoder that ``config.json`` (the dict ``hf``) describes; ``config(hf, where)`` names the file."""
     c = _config.filled(hf, _DEFAULTS)
     _config.silu(c)
-    params = dict(c.get("rope_scaling") or c.get("rope_parameters") or {})
-    if params.get("rope_type", params.get("type")) in ("su", "yarn"):  # older names of longrope, as transformers reads
-        params["rope_type"] = "longrope"
-    c["rope_scaling"], c["rope_parameters"] = params, None
-    n_head, n_layer = c["num_attention_heads"], _validate.positive_int("num_hidden_layers", c["num_hidden_layers"])
+    key = "rope_scaling" if c.get("rope_scaling") else "rope_parameters"
+    params = c.get(key)
+    if isinstance(params, dict) and params.get("rope_type", params.get("type")) in ("su", "yarn"):
+        c[key] = {**params, "rope_type": "longrope"}  # older names of longrope, as transformers reads them
+    n_layer = _config.layers(c, blocks)
+    n_head, n_kv_head, head_dim = _config.heads(c, None)  # Phi-3's head is hidden_size / H
     return GPTConfig(vocab_size=c["vocab_size"], block_size=c["max_position_embeddings"], n_layer=n_layer,
-                     n_head=n_head, n_embd=c["hidden_size"], n_kv_head=c["num_key_value_heads"] or n_head, bias=False,
-                     pos="rope", **_config.rope(c, c["hidden_size"] // n_head),
+                     n_head=n_head, n_embd=c["hidden_size"], n_kv_head=n_kv_head, bias=False,
+                     pos="rope", **_config.rope(c, head_dim),
                      **_config.windows(c, [True] * n_layer), mlp_kind="swiglu",
                      intermediate_size=c["intermediate_size"], norm="rmsnorm", layer_norm_eps=c["rms_norm_eps"],
                      tie_embeddings=c["tie_word_embeddings"])
 
 
 def sources(key: str, config: GPTConfig) -> list[str]:
-    return _names.sources(key, config, outside=llama.OUTSIDE, layer="model.layers.{i}.", in_layer=IN_LAYER)
+    return _names.sources(key, config, outside=llama.OUTSIDE, layer=LAYER, in_layer=IN_LAYER)

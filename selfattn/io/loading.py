@@ -100,7 +100,9 @@ def _read(path: Path) -> Loaded:
         if found is None and is_transformers_folder(path):
             return _load_transformers(path)
         if found is None:
-            raise ValueError(f"{str(path)!r} holds no checkpoint (ckpt-*.safetensors) and no transformers config.json")
+            why = ("its config.json names no model_type (a transformers config.json does)"
+                   if (path / "config.json").is_file() else "no transformers config.json")
+            raise ValueError(f"{str(path)!r} holds no checkpoint (ckpt-*.safetensors), and {why}")
         path, tensors, header = found
         weights, meta = checkpoint.weights_of(tensors, header), header["meta"]
     else:
@@ -149,8 +151,9 @@ def _load_family(path: Path) -> Loaded:
     config_file = path / "config.json"
     hf = hf_folder.config(path)
     family = families.FAMILIES[hf["model_type"]]
-    model = _family_model(family, hf, str(config_file))
-    families.load(family, hf_folder.Safetensors(path), model, str(path))
+    tensors = hf_folder.Safetensors(path)
+    model = families.empty(family, hf, tensors, str(path), str(config_file))
+    families.load(family, tensors, model, str(path))
     tokenizer = hf_folder.tokenizer(path)
     bos, eos = hf_folder.special_ids(path, hf, model.config.vocab_size)
     start = bos if bos is not None else None if tokenizer is None else _newline(tokenizer)  # else from a newline
@@ -165,7 +168,7 @@ def _load_gguf(path: Path) -> Loaded:
 
     file = gguf.read(path)
     family = families.FAMILIES[file.config["model_type"]]
-    model = _family_model(family, file.config, f"{path} (its metadata as a config.json)")
+    model = families.empty(family, file.config, file.tensors, str(path), f"{path} (its metadata as a config.json)")
     families.load(family, file.tensors, model, str(path))
     try:
         tokenizer, why = from_metadata(file.metadata), ""
@@ -187,16 +190,6 @@ def _starts_gguf(path: Path) -> bool:
     """Whether the file starts as a GGUF file does, whatever its name."""
     with open(path, "rb") as f:
         return f.read(4) == b"GGUF"
-
-
-def _family_model(family, hf: dict, where: str) -> GPT:
-    """The decoder ``hf`` (a config.json dict, read from ``where``) describes, its weights allocated
-    and left for the loader to fill (every one of them: :func:`selfattn.families.load`)."""
-    config = family.config(hf, where)
-    try:
-        return GPT.empty(config)
-    except (TypeError, ValueError) as e:  # sizes the attention refuses (heads, window)
-        raise type(e)(f"{where}: {e}") from None
 
 
 _FAMILIES = {"gpt2": _load_gpt2} | dict.fromkeys(families.FAMILIES, _load_family)  # model_type -> loader of its folders

@@ -20,6 +20,7 @@ import re
 from pathlib import Path
 
 from selfattn._validate import one_line
+from selfattn.io.formats.jsonfile import text
 
 BYTE_LEVEL, SENTENCEPIECE = "byte-level", "sentencepiece"  # the two schemes token_bytes reads
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte fallback tokens
@@ -65,7 +66,7 @@ class BPETokenizer:
         tokenizers, folder = import_tokenizers(), Path(path)
         if (folder / "tokenizer.json").is_file():
             file = folder / "tokenizer.json"
-            return cls.from_json(file.read_text(errors="replace"), str(file))
+            return cls(read(file), str(file))
         if (folder / "vocab.json").is_file() and (folder / "merges.txt").is_file():
             try:
                 bpe = tokenizers.models.BPE.from_file(str(folder / "vocab.json"), str(folder / "merges.txt"))
@@ -101,11 +102,17 @@ class BPETokenizer:
         return {"kind": "bpe", "json": self.tok.to_str()}
 
 
-def parse(text: str, where: str):
-    """The ``tokenizers.Tokenizer`` serialised in ``text``; ValueError naming ``where`` when unreadable."""
+def read(file: Path):
+    """The ``tokenizers.Tokenizer`` of a ``tokenizer.json`` file; a ValueError naming it when it is
+    not UTF-8 (and the offset of its first byte that is not) or not a tokenizer."""
+    return parse(text(file), str(file))
+
+
+def parse(serialised: str, where: str):
+    """The ``tokenizers.Tokenizer`` serialised in ``serialised``; ValueError naming ``where`` when unreadable."""
     tokenizers = import_tokenizers()
     try:
-        return tokenizers.Tokenizer.from_str(text)
+        return tokenizers.Tokenizer.from_str(serialised)
     except Exception as e:  # the Rust parser raises a bare Exception
         raise ValueError(f"{where} is not a tokenizer the 'tokenizers' library can read ({one_line(e)})") from None
 

@@ -295,3 +295,15 @@ def test_a_run_without_a_checkpoint_is_one_line(tmp_path, capsys):
     assert cli(["export", "--ckpt", str(tmp_path / "empty"), "--out", str(tmp_path / "hf")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "holds no checkpoint" in err
+
+
+def test_a_gemma2_block_without_a_window_exports_a_folder_transformers_loads(tmp_path, capsys):
+    run = tmp_path / "gemma2"
+    assert cli(["train", "--arch", "gemma2", "--n-layer", "2", "--n-embd", "32", "--n-head", "2", "--block-size", "32",
+                "--batch-size", "4", "--max-steps", "2", "--eval-every", "2", "--set", "eval_batches=1",
+                "--out", str(run)]) == 0  # no --set window: no layer slides
+    capsys.readouterr()
+    assert cli(["export", "--ckpt", str(run), "--out", str(tmp_path / "hf")]) == 0, capsys.readouterr().err
+    assert "logits of the export vs ours" in capsys.readouterr().out  # transformers loaded it and agreed
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["layer_types"] == ["full_attention"] * 2 and config["sliding_window"] == 32

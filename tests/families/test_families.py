@@ -138,8 +138,27 @@ def edit_config(folder, **changes):
     ("llama", dict(hidden_act="gelu"), ["hidden_act 'gelu' is not supported"]),
     ("qwen2", dict(use_sliding_window=True, sliding_window=8, layer_types=["full_attention", "local"]),
      ["layer_types must list 2 of 'full_attention', 'sliding_attention'"]),
-    ("llama", dict(num_key_value_heads=3), ["n_head=4 is not a multiple of n_kv_head=3"]),
+    ("llama", dict(num_key_value_heads=3), ["num_attention_heads 4 is not a multiple of num_key_value_heads 3"]),
     ("mistral", dict(hidden_size=None), ["a mistral config.json needs hidden_size"]),
+    # each message names the config.json field at fault, not what it became
+    ("llama", dict(num_key_value_heads=0), ["num_key_value_heads must be a positive int, got 0"]),
+    ("qwen2", dict(num_attention_heads=7, hidden_size=576),
+     ["hidden_size 576 is not divisible by num_attention_heads 7"]),
+    ("mistral", dict(hidden_size=1e7), ["hidden_size must be an int, got float 10000000.0"]),
+    ("qwen2", dict(rope_parameters=None, rope_theta="big"), ["rope_theta must be a number, got str 'big'"]),
+    ("llama", dict(rope_parameters={"rope_type": "default", "rope_theta": 0.5}),
+     ["rope_theta must be a finite number > 1, got 0.5"]),
+    # RoPE rules that compute NaN, or nothing said
+    ("llama", dict(rope_parameters={"rope_type": "linear", "factor": 0, "rope_theta": 1e4}),
+     ["rope_parameters.factor must be a finite number > 0, got 0"]),
+    ("llama", dict(rope_parameters={"rope_type": "linear", "factor": -2.0, "rope_theta": 1e4}),
+     ["rope_parameters.factor must be a finite number > 0, got -2.0"]),
+    ("llama", dict(rope_parameters={"rope_type": "yarn", "factor": float("inf"), "rope_theta": 1e4}),
+     ["rope_parameters.factor must be a finite number > 0, got inf"]),
+    ("qwen2", dict(rope_scaling={"type": "yarn", "factor": -4.0, "original_max_position_embeddings": 32}),
+     ["rope_scaling.factor must be a finite number > 0, got -4.0"]),
+    ("mistral", dict(rope_scaling={"factor": 2.0}),
+     ["rope_scaling has factor but no rope_type (or type): one of 'default', 'linear', 'llama3', 'yarn', 'longrope'"]),
 ])
 def test_configs_the_decoder_cannot_compute_are_refused_naming_file_and_value(case, changes, words, tmp_path):
     _, folder = saved(case, tmp_path)
@@ -165,6 +184,25 @@ def test_tensors_missing_unexpected_or_reshaped_are_refused_naming_them(drop, ad
     with pytest.raises(ValueError) as e:
         loading.load(folder)
     assert str(e.value) == f"the weights in {folder} are not those its config.json describes: {words}"
+
+
+def test_rope_parameters_without_a_rope_type_but_its_base_are_the_default_rule(tmp_path):  # control for the above
+    hf, folder = saved("llama", tmp_path, rope_parameters={"rope_type": "default", "rope_theta": 500000.0})
+    edit_config(folder, rope_parameters={"rope_theta": 500000.0})
+    assert max_difference(hf, loading.load(folder).model.eval()) < 1e-4
+
+
+def test_a_tied_embedding_of_another_shape_is_named_once(tmp_path):
+    from selfattn import families
+    from selfattn.io.formats import hf_folder
+
+    _, folder = saved("qwen2", tmp_path)  # tied: the head is the embedding
+    family = families.FAMILIES["qwen2"]
+    config = family.config({**hf_folder.config(folder), "vocab_size": 100}, "config.json")
+    with pytest.raises(ValueError) as e:
+        families.load(family, hf_folder.Safetensors(folder), loading.GPT.empty(config), str(folder))
+    assert str(e.value) == (f"the weights in {folder} are not those its config.json describes: of another shape "
+                            f"1 tensor: model.embed_tokens.weight (128, 64) instead of (100, 64)")
 
 
 def test_rotary_buffers_older_files_kept_are_ignored(tmp_path):  # control: nothing over-refused

@@ -117,3 +117,36 @@ def test_a_folder_s_weights_are_read_one_tensor_at_a_time(tmp_path, monkeypatch)
     family = families.FAMILIES["llama"]
     state = families.state_dict(family, hf_folder.Safetensors(path), loaded.model, str(path))  # control: all at once
     assert most[0] > len(state) // 2, most
+
+
+def _spoil(file, find: bytes) -> int:
+    """``file`` with a byte that is not UTF-8 (0xff) put after the first ``find``; where it is."""
+    raw = file.read_bytes()
+    at = raw.index(find) + len(find)
+    file.write_bytes(raw[:at] + b"\xff" + raw[at:])
+    return at
+
+
+def test_a_tokenizer_json_that_is_not_utf8_is_refused_naming_the_byte(tmp_path):
+    import tokenizers
+
+    from selfattn.tokenizers import BPETokenizer
+
+    path = folder(tmp_path / "m")
+    assert loading.load(path).tokenizer.encode("</s>") == [2]  # control: the file as written, one token
+    file = path / "tokenizer.json"
+    at = _spoil(file, b'"</s')  # in the eos token: read with the byte replaced, "</s>" was five tokens
+    with pytest.raises(Exception):  # the tokenizers library refuses the file too
+        tokenizers.Tokenizer.from_file(str(file))
+    for read in (loading.load, BPETokenizer.from_folder, hf_folder.tokenizer):
+        with pytest.raises(ValueError) as e:
+            read(path)
+        assert str(e.value) == f"{file}: not UTF-8 text (byte 0xff at offset {at})"
+
+
+def test_a_chat_template_that_is_not_utf8_is_refused_naming_the_file(tmp_path):
+    path = folder(tmp_path / "m", jinja="{% for m in messages %}{{ m.content }}{% endfor %}")
+    at = _spoil(path / "chat_template.jinja", b"{{ m")
+    with pytest.raises(ValueError) as e:
+        loading.load(path)
+    assert str(e.value) == f"{path / 'chat_template.jinja'}: not UTF-8 text (byte 0xff at offset {at})"

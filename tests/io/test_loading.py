@@ -59,7 +59,9 @@ def test_a_gpt2_folder_loads_with_its_tokenizer(tmp_path):
 
 @pytest.mark.parametrize("make,words", [
     (lambda p: p / "missing", ["does not exist"]),
-    (lambda p: p, ["holds no checkpoint"]),
+    (lambda p: p, ["holds no checkpoint", "and no transformers config.json"]),
+    (lambda p: (p / "config.json").write_text('{"hidden_size": 64}') and p,  # a config.json of another kind
+     ["holds no checkpoint", "its config.json names no model_type (a transformers config.json does)"]),
     (lambda p: (p / "ckpt-0000001.safetensors").write_bytes(b"garbage") and p / "ckpt-0000001.safetensors",
      ["truncated or corrupted"]),
 ])

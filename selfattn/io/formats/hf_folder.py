@@ -19,8 +19,8 @@ from pathlib import Path
 from torch import Tensor
 
 from selfattn._validate import one_line
-from selfattn.io.formats.jsonfile import json_object
-from selfattn.tokenizers.bpe import BPETokenizer, parse, scheme
+from selfattn.io.formats.jsonfile import json_object, text
+from selfattn.tokenizers.bpe import BPETokenizer, read, scheme
 from selfattn.tokenizers.chat import ChatTemplate
 
 SPECIAL = ("bos_token", "eos_token", "unk_token", "pad_token")  # the tokens a chat template may name
@@ -75,11 +75,12 @@ class Safetensors(Mapping):
 
 def tokenizer(folder: Path) -> BPETokenizer | None:
     """The folder's ``tokenizer.json`` when it is one :class:`BPETokenizer` streams; None without
-    one or for another kind (WordPiece, say); a ValueError naming the file when it is unreadable."""
+    one or for another kind (WordPiece, say); a ValueError naming the file when it is unreadable
+    (not UTF-8, as the ``tokenizers`` library refuses it too, or not a tokenizer)."""
     file = folder / "tokenizer.json"
     if not file.is_file():
         return None
-    tok = parse(file.read_text(errors="replace"), str(file))
+    tok = read(file)
     return BPETokenizer(tok, str(file)) if scheme(tok) else None
 
 
@@ -111,7 +112,7 @@ def chat_template(folder: Path) -> ChatTemplate | None:
     tokens = {name: _content(config.get(name)) for name in SPECIAL if _content(config.get(name)) is not None}
     jinja = folder / "chat_template.jinja"
     if jinja.is_file():
-        return ChatTemplate(jinja.read_text(), tokens, str(jinja))
+        return ChatTemplate(text(jinja), tokens, str(jinja))
     source = config.get("chat_template")
     if isinstance(source, list):  # [{"name": "default", "template": ...}, {"name": "tool_use", ...}]
         source = next((t.get("template") for t in source if isinstance(t, dict) and t.get("name") == "default"), None)
