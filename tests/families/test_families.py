@@ -15,10 +15,11 @@ import torch  # noqa: E402
 import transformers  # noqa: E402  (the [hf] extra, part of [dev])
 
 from selfattn.cli import main  # noqa: E402
-from selfattn.generation import generate  # noqa: E402
 from selfattn.io import loading  # noqa: E402
 from selfattn.norms import RMSNorm  # noqa: E402
 from selfattn.tokenizers import BPETokenizer  # noqa: E402
+
+from helpers.families import assert_greedy_as_transformers  # noqa: E402
 
 transformers.logging.set_verbosity_error()
 WINDOW = 16  # Mistral's sliding window here: shorter than every sequence the checks run
@@ -73,11 +74,7 @@ def test_logits_match_transformers(family):
 def test_greedy_generation_through_the_cache_matches_transformers(family):
     _, hf, ours = family
     idx = torch.randint(0, SIZES["vocab_size"], (2, 24), generator=torch.Generator().manual_seed(2))
-    theirs = hf.generate(idx, attention_mask=torch.ones_like(idx), max_new_tokens=32, min_new_tokens=32,
-                         do_sample=False, pad_token_id=0)[:, 24:]
-    got = torch.stack(list(generate(ours, idx, 32, temperature=0)), 1)  # (2, 32)
-    assert torch.equal(got, theirs)
-    assert len(set(got.flatten().tolist())) > 3  # not a degenerate repetition of one token
+    assert_greedy_as_transformers(hf, ours, idx, 32)
 
 
 def test_each_config_is_mapped_to_data(family):

@@ -66,3 +66,15 @@ def build(case: str, dtype=torch.float32, *, noise: float = 0.2, **overrides):
 
 def tokens(B: int, length: int, seed: int) -> torch.Tensor:
     return torch.randint(0, V, (B, length), generator=torch.Generator().manual_seed(seed))
+
+
+def assert_greedy_as_transformers(hf, ours, idx: torch.Tensor, n: int) -> None:
+    """Our ``n`` greedy tokens through our caches equal ``transformers``' ``generate`` after ``idx``
+    ``(B, T)``, and are not a degenerate repetition of one token."""
+    from selfattn.generation import generate
+
+    theirs = hf.generate(idx, attention_mask=torch.ones_like(idx), max_new_tokens=n, min_new_tokens=n,
+                         do_sample=False, pad_token_id=0)[:, idx.shape[1]:]
+    got = torch.stack(list(generate(ours, idx, n, temperature=0)), 1)  # (B, n)
+    assert torch.equal(got, theirs)
+    assert len(set(got.flatten().tolist())) > 3
