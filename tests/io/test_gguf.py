@@ -261,3 +261,13 @@ def test_a_gguf_file_is_known_by_its_first_bytes_whatever_its_name(hf, vocab, tm
     renamed = path.rename(tmp_path / "weights.bin")  # a name the loader would otherwise read as torch.save's
     assert torch.equal(logits(loading.load(renamed).model.eval(), ids(vocab)), logits(loading.load(
         gguf_files.write(tmp_path / "again.gguf", hf)).model.eval(), ids(vocab)))
+
+
+@pytest.mark.parametrize("scale", [float("nan"), float("inf")])
+def test_a_non_finite_quantisation_scale_is_refused_at_load_naming_the_tensor(hf, tmp_path, scale):
+    path = gguf_files.write(tmp_path / "m.gguf", hf, types=TYPES)
+    assert loading.load(path).model is not None  # control: the undamaged file loads
+    embedding = next(t for t in gguf.GGUFReader(path).tensors if t.name == "token_embd.weight")  # Q8_0 blocks
+    gguf_files.overwrite(path, int(embedding.data_offset), "e", scale)  # the first block's float16 scale
+    with pytest.raises(ValueError, match=r"NaN or infinite values? in wte\.weight .*; the file is damaged"):
+        loading.load(path)
