@@ -73,14 +73,16 @@ class Corpus:
     fingerprint: str  # SHA-256 of the text: a resumed run checks it still trains on the same corpus
 
 
-def prepare(cache_dir: str | os.PathLike, *, data: str | None, tokenizer: str, bpe_vocab: int,
-            val_fraction: float, block_size: int, trained_on: str | None = None) -> Corpus:
+def prepare(cache_dir: str | os.PathLike, *, data: str | None, tokenizer: str | ByteTokenizer | BPETokenizer,
+            bpe_vocab: int, val_fraction: float, block_size: int, trained_on: str | None = None) -> Corpus:
     """Tokenize the corpus into ``cache_dir`` (once: a whole cache whose recipe and corpus
     fingerprint match is reused) and open both splits memory-mapped. Val is the last
-    ``val_fraction`` of the tokens. Raises ``ValueError``, before anything is written, when
-    either split is shorter than one block plus one token, or when the corpus is not the one
-    of fingerprint ``trained_on`` (the corpus a resumed run was trained on)."""
-    if tokenizer not in ("byte", "bpe"):
+    ``val_fraction`` of the tokens. ``tokenizer``: ``"byte"``, ``"bpe"`` (trained here on the corpus)
+    or a tokenizer to use as it is (a model's own, when fine-tuning). Raises ``ValueError``, before
+    anything is written, when either split is shorter than one block plus one token, or when the
+    corpus is not the one of fingerprint ``trained_on`` (the corpus a resumed run was trained on)."""
+    given = None if isinstance(tokenizer, str) else tokenizer
+    if given is None and tokenizer not in ("byte", "bpe"):
         raise ValueError(f"tokenizer must be 'byte' or 'bpe', got {tokenizer!r}")
     if not 0.0 < val_fraction < 1.0:
         raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction!r}")
@@ -90,11 +92,13 @@ def prepare(cache_dir: str | os.PathLike, *, data: str | None, tokenizer: str, b
         raise ValueError(f"the corpus ({description}, SHA-256 {fingerprint[:12]}...) is not the one this run was "
                          f"trained on (SHA-256 {trained_on[:12]}...); nothing was written")
     cache = Path(cache_dir)
-    recipe = {"fingerprint": fingerprint, "tokenizer": tokenizer,
+    name = tokenizer if given is None else \
+        "given " + hashlib.sha256(json.dumps(given.spec(), sort_keys=True).encode()).hexdigest()[:16]
+    recipe = {"fingerprint": fingerprint, "tokenizer": name,
               "bpe_vocab": bpe_vocab if tokenizer == "bpe" else None, "val_fraction": val_fraction}
     meta = _cached(cache, recipe)
     if meta is None:
-        tok = ByteTokenizer() if tokenizer == "byte" else BPETokenizer.train(text, bpe_vocab)
+        tok = given or (ByteTokenizer() if tokenizer == "byte" else BPETokenizer.train(text, bpe_vocab))
         ids = _token_ids(text, tok)
         n_val = int(len(ids) * val_fraction)
         _check_lengths(len(ids) - n_val, n_val, block_size)

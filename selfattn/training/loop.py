@@ -41,13 +41,17 @@ from selfattn._seeds import stream_seed
 from selfattn.config import GPTConfig
 from selfattn.distributed import SequenceShard
 from selfattn.families import writing
+from selfattn.io.loading import Loaded, load
 from selfattn.model import GPT
+from selfattn.tokenizers import from_spec
 from selfattn.training import checkpoint, data, lock, parallel
 
 
 @dataclass
 class TrainConfig:
     data: str | None = described(None, "text file or folder of text files; none = the built-in corpus (Python's docs)")
+    init_from: str | None = described(None, "start from a model selfattn loads (a run, a transformers folder, a GGUF "
+                                            "file): its weights, its config (flags change it) and its tokenizer")
     tokenizer: str = described("byte", '"byte" (vocabulary 256, any text) or "bpe" (trained locally on the corpus)')
     bpe_vocab: int = described(2048, 'BPE vocabulary size (256 bytes + merges), with tokenizer "bpe"')
     val_fraction: float = described(0.1, 'the last fraction of the tokens, held out for evaluation')
@@ -82,6 +86,8 @@ class TrainConfig:
         _validate.count("warmup_steps", self.warmup_steps)
         if self.tokenizer not in ("byte", "bpe"):
             raise ValueError(f"tokenizer must be 'byte' or 'bpe', got {self.tokenizer!r}")
+        if self.init_from is not None and (not isinstance(self.init_from, str) or not self.init_from):
+            raise ValueError(f"init_from must be a path, got {self.init_from!r}")
         for name in ("lr", "min_lr", "weight_decay", "grad_clip"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
@@ -110,6 +116,7 @@ _DATA_FIELDS_KEPT_ON_RESUME = {  # TrainConfig field -> why a resumed run keeps 
     "tokenizer": "the model's vocabulary and the token cache come from it",
     "bpe_vocab": "the model's vocabulary and the token cache come from it",
     "val_fraction": "another split would move trained tokens into validation",
+    "init_from": "the run's tokenizer, and so its tokens, came from it",
 }
 
 
@@ -159,7 +166,46 @@ def resolve_configs(out: str | os.PathLike, *, preset: str | None = None, config
     if checkpoint.latest(out) is not None:
         raise ValueError(f"{str(out)!r} already holds checkpoints; pass --resume to continue it, or another --out")
     model_vals, train_vals = _layers(preset, arch, config, model_flags)
-    return (GPTConfig(**{**model_vals, **model_flags}), TrainConfig(**{**train_vals, **train_flags}), None)
+    train_cfg = TrainConfig(**{**train_vals, **train_flags})
+    if train_cfg.init_from is not None:
+        if preset or arch or model_vals:
+            raise ValueError("--init-from starts from the model's own config: drop --preset, --arch and a --config "
+                             "model part (flags and --set change single fields)")
+        if {"tokenizer", "bpe_vocab"} & {*train_flags, *train_vals}:
+            raise ValueError("--init-from trains with the model's own tokenizer: drop --tokenizer and bpe_vocab")
+        return _source_config(train_cfg.init_from, model_flags), train_cfg, None
+    return GPTConfig(**{**model_vals, **model_flags}), train_cfg, None
+
+
+def _source(path: str) -> Loaded:
+    """The model ``--init-from`` names, with its tokenizer; a ValueError naming the flag otherwise."""
+    try:
+        source = load(path)
+        source.require_tokenizer()
+    except ValueError as e:
+        raise ValueError(f"--init-from: {e}") from None
+    return source
+
+
+def _source_config(path: str, model_flags: dict) -> GPTConfig:
+    """The config of the model at ``path`` with the fields ``model_flags`` change (attention surgery:
+    a window, sink tokens), refused when its weights cannot fill the shapes it makes."""
+    source = _source(path).model
+    config = dataclasses.replace(source.config, **model_flags)
+    with torch.device("meta"):  # shapes only, nothing allocated
+        _check_fits(GPT(config), source, path)
+    return config
+
+
+def _check_fits(model: GPT, source: GPT, path: str) -> None:
+    """Refuse a ``model`` whose tensors the weights of ``source`` cannot fill, naming them."""
+    theirs, ours = source.state_dict(), model.state_dict()
+    wrong = [f"{k} {tuple(ours[k].shape)} != {tuple(theirs[k].shape)}" for k in ours
+             if k in theirs and ours[k].shape != theirs[k].shape]
+    wrong += [f"no {k}" for k in sorted(set(ours) - set(theirs))]
+    if wrong:
+        raise ValueError(f"--init-from {path}: the flags change the model's shape, which its weights cannot fill: "
+                         + "; ".join(wrong[:4]) + (f" and {len(wrong) - 4} more" if len(wrong) > 4 else ""))
 
 
 def _layers(preset: str | None, arch: str | None, config: str | None, model_flags: dict) -> tuple[dict, dict]:
@@ -257,10 +303,15 @@ def _train(model_cfg: GPTConfig, cfg: TrainConfig, out: Path, resume_from: Path 
         checkpoint.remove_temporaries(out)
     saved = checkpoint.read(resume_from) if resume_from is not None else None  # (tensors, header), verified
     trained_on = saved[1]["meta"]["data"]["fingerprint"] if saved else None
-    corpus = _prepare_data(out, cfg, model_cfg.block_size, rank, trained_on)
-    model_cfg = dataclasses.replace(model_cfg, vocab_size=corpus.tokenizer.vocab_size)
+    source = _source(cfg.init_from) if cfg.init_from is not None and saved is None else None
+    tokenizer = None if cfg.init_from is None else \
+        source.tokenizer if source is not None else from_spec(saved[1]["meta"]["tokenizer"])  # the model's own
+    corpus = _prepare_data(out, cfg, model_cfg.block_size, rank, trained_on, tokenizer)
+    if tokenizer is None:
+        model_cfg = dataclasses.replace(model_cfg, vocab_size=corpus.tokenizer.vocab_size)
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank
-    raw = GPT(model_cfg).to(device)
+    raw = GPT(model_cfg) if source is None else _start_from(source, model_cfg, cfg.init_from)
+    raw = raw.to(device)
     run = _Run(parallel.wrap(raw, compile=cfg.compile, fsdp=cfg.fsdp, world=world, device=device),
                corpus, cfg, model_cfg, rank, world, device, _Rows(shard, dp_rank, dp_world))
     start, records = 0, []
@@ -395,10 +446,21 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1.0 + math.cos(math.pi * progress))
 
 
-def _prepare_data(out: Path, cfg: TrainConfig, block_size: int, rank: int, trained_on: str | None) -> data.Corpus:
+def _start_from(source: Loaded, model_cfg: GPTConfig, path: str) -> GPT:
+    """A model of ``model_cfg`` holding ``source``'s weights; a config whose shapes they cannot fill
+    (a flag that changed a size) is a ValueError naming the tensors."""
+    model = GPT.empty(model_cfg)
+    _check_fits(model, source.model, path)
+    model.load_state_dict(source.model.state_dict(), strict=True)
+    return model
+
+
+def _prepare_data(out: Path, cfg: TrainConfig, block_size: int, rank: int, trained_on: str | None,
+                  tokenizer=None) -> data.Corpus:
     """Rank 0 tokenizes (or finds the cache) first; then the first rank of every other machine
-    (a cache hit on a shared disk, else built on its own); then everyone opens the cache."""
-    kwargs = dict(data=cfg.data, tokenizer=cfg.tokenizer, bpe_vocab=cfg.bpe_vocab,
+    (a cache hit on a shared disk, else built on its own); then everyone opens the cache. ``tokenizer``:
+    the model's own when fine-tuning, else ``cfg.tokenizer``'s."""
+    kwargs = dict(data=cfg.data, tokenizer=tokenizer or cfg.tokenizer, bpe_vocab=cfg.bpe_vocab,
                   val_fraction=cfg.val_fraction, block_size=block_size, trained_on=trained_on)
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     corpus = None
