@@ -236,10 +236,14 @@ def _reader(path: Path):
 
     class Reader(gguf.GGUFReader):
         def _get(self, offset, dtype, count=1, override_order=None):  # every read of the file goes through here
-            end = int(offset) + int(np.dtype(dtype).itemsize) * int(count)
+            dtype, count = np.dtype(dtype), int(count)
+            end = int(offset) + dtype.itemsize * count
             if end > len(self.data):
                 raise _Truncated(int(offset), end)
-            return super()._get(offset, dtype, count, override_order)
+            if "plain" not in self.__dict__:  # the mapped bytes as a plain array: a memmap's slices cost far more
+                self.plain = self.data.view(np.ndarray)
+            arr = self.plain[int(offset):end].view(dtype)
+            return arr.view(arr.dtype.newbyteorder(self.byte_order if override_order is None else override_order))
 
         def _fits(self, what: str, count, offset: int, things: str, least: int):
             """Refuse a count of ``things`` of ``least`` bytes or more that the file from ``offset`` cannot hold
