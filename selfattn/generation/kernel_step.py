@@ -152,12 +152,16 @@ class KernelStep:
         why = unsupported(model)
         if why is not None:
             raise ValueError(f"the decode kernel cannot run this model: {why}")
-        self.model, self.angles, self.isa = model, None, isa
+        self._model, self.angles, self.isa = weakref.ref(model), None, isa  # weakly, as the steps hold it
         self.cache, self.weights = None, None  # the cache (its first layer, weakly) they were gathered for, and them
         a, (act, gated) = model.blocks[0].attn, _mlp(model.blocks[0].mlp)
         self.shape = {"n_head": a.n_head, "eps": model.ln_f.eps, "act": act, "gated": gated,
                       "scale": a.scale if a.scale is not None else a.head_dim ** -0.5,
                       "norm": "rmsnorm" if type(model.ln_f) is RMSNorm else "layernorm"}  # the step's arguments
+
+    @property
+    def model(self) -> GPT:
+        return self._model()
 
     def serves(self, mask: Tensor | None, cache: Sequence) -> bool:
         """Whether a step with this ``mask`` and ``cache`` runs here: no padding, the model's caches,

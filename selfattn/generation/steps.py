@@ -22,7 +22,11 @@ class Steps:
     spare = 0  # cache slots beyond those a generation fills (a compiled model's caches take one more)
 
     def __init__(self, model: GPT):
-        self.model = model
+        self._model = weakref.ref(model)  # weakly: the model is the key these steps are kept under
+
+    @property
+    def model(self) -> GPT:
+        return self._model()
 
     def step(self, idx: Tensor, mask: Tensor | None, cache: Sequence[KVCache], past: int) -> Tensor:
         """Logits ``(B, V)`` of the token after ``idx`` ``(B, T)``, whose ``past`` positions are cached:
@@ -40,6 +44,7 @@ class Steps:
 
 
 _compiled: weakref.WeakKeyDictionary[GPT, Steps] = weakref.WeakKeyDictionary()  # model -> its compiled steps
+# (a model dropped drops its steps: they hold it weakly, or the map would keep it alive forever)
 
 
 def steps_of(model: GPT) -> Steps:

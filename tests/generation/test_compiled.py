@@ -192,3 +192,19 @@ def test_several_rows_of_the_stream_form_run_its_kernel_in_a_compiled_forward(mo
 def test_a_sliding_window_layer_is_refused():
     with pytest.raises(ValueError, match="layer 0 slides over a window of 4 keys"):
         compile_decode(GPT(small(window=4)))
+
+
+@pytest.mark.parametrize("graph", [False, True], ids=["kernel", "graph"])
+def test_a_compiled_model_that_is_dropped_is_freed(graph):
+    import gc
+    import weakref
+
+    model = scrambled(small(**LLAMA))
+    if graph:
+        decode_layout(model, one_row="mv", few_rows="linear")  # not the kernel's products: a graph's steps
+    list(generate(compile_decode(model), torch.randint(61, (1, 4)), 3, temperature=0.0))
+    assert (compiled_decode.compiled_of(model).kernel is None) == graph
+    alive = weakref.ref(model)
+    del model
+    gc.collect()
+    assert alive() is None  # its compiled steps, kept beside it, hold it weakly
