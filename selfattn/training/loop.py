@@ -303,9 +303,12 @@ def _train(model_cfg: GPTConfig, cfg: TrainConfig, out: Path, resume_from: Path 
         checkpoint.remove_temporaries(out)
     saved = checkpoint.read(resume_from) if resume_from is not None else None  # (tensors, header), verified
     trained_on = saved[1]["meta"]["data"]["fingerprint"] if saved else None
-    source = _source(cfg.init_from) if cfg.init_from is not None and saved is None else None
-    tokenizer = None if cfg.init_from is None else \
-        source.tokenizer if source is not None else from_spec(saved[1]["meta"]["tokenizer"])  # the model's own
+    source = tokenizer = None  # fine-tuning: the model started from, and its own tokenizer
+    if cfg.init_from is not None and saved is None:
+        source = _source(cfg.init_from)
+        tokenizer = source.tokenizer
+    elif cfg.init_from is not None:
+        tokenizer = from_spec(saved[1]["meta"]["tokenizer"])  # the run's, which came from the model
     corpus = _prepare_data(out, cfg, model_cfg.block_size, rank, trained_on, tokenizer)
     if tokenizer is None:
         model_cfg = dataclasses.replace(model_cfg, vocab_size=corpus.tokenizer.vocab_size)
