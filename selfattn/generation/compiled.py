@@ -59,7 +59,7 @@ from selfattn.backends import sdpa
 from selfattn.generation import kernel_step
 from selfattn.generation._compiling import compile_own
 from selfattn.generation.layout import decode_layout, is_laid_out
-from selfattn.generation.steps import Steps, set_compiled, steps_of
+from selfattn.generation.steps import Steps, next_logits, set_compiled, steps_of
 from selfattn.kv_cache import KVCache
 from selfattn.model import GPT
 
@@ -68,11 +68,6 @@ DYNAMIC = ",".join((r"L\['past'\]", r"L\['idx'\]:1", r"L\['x'\]:1", r"L\['mask'\
                     r"L\['cache'\]\[\d+\]\.length", r"L\['cache'\]\[\d+\]\.[kv]:2"))
 _models = itertools.count()  # numbers the models' compiled functions
 KEPT_ON_THE_MODEL = ("TENSOR_MATCH", "DUPLICATE_INPUT", "NO_TENSOR_ALIASING")  # the guards on its tensors
-
-
-def _step(model: GPT, idx: Tensor, mask: Tensor | None, cache: Sequence[KVCache], past: int) -> Tensor:
-    """The step compiled: logits ``(B, V)`` of the token after ``idx``, :meth:`Steps.step`'s."""
-    return model.logits(model.hidden(idx, mask, cache, past)[:, -1])
 
 
 def _run(model: GPT, idx: Tensor | None, mask: Tensor | None, cache: Sequence[KVCache], past: int,
@@ -84,7 +79,7 @@ def _run(model: GPT, idx: Tensor | None, mask: Tensor | None, cache: Sequence[KV
 def _guards(entries: list) -> list[bool]:
     """torch.compile's guard filter: every guard but those on the model's attributes that are not
     its tensors (see the module docstring). A guard's name is its source: ``model.…`` for the
-    model argument of :func:`_step` and :func:`_run`."""
+    model argument of :func:`~selfattn.generation.steps.next_logits` and :func:`_run`."""
     return [e.guard_type in KEPT_ON_THE_MODEL or not (e.name == "model" or e.name.startswith("model."))
             for e in entries]
 
@@ -145,7 +140,7 @@ class CompiledDecode(Steps):
     def __init__(self, model: GPT):
         super().__init__(model)
         self.number, self.runs, self.decided = next(_models), {}, set()
-        self._step = _compile(_step, f"decode_step_{self.number}")
+        self._step = _compile(next_logits, f"decode_step_{self.number}")
         self.kernel = kernel_step.KernelStep(model) if kernel_step.unsupported(model) is None else None
 
     def _decide(self) -> None:

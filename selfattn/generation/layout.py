@@ -84,14 +84,14 @@ class RowLinear(nn.Linear):
         return f"{super().extra_repr()}, one_row={self.one_row!r}, few_rows={self.few_rows!r}"
 
 
-def rule(dtype: torch.dtype, device: torch.device) -> tuple[str, str]:
-    """The one-row and few-row forms :func:`decode_layout` takes unless told or asked to measure:
-    ``stream`` for both on the CPU wherever its kernel builds for ``dtype`` (it is the form the C++
-    decode kernel serves, and it led every float32 and bfloat16 row of the timings in
-    ``docs/benchmarks.md``), else ``torch.mv`` and ``F.linear``."""
+def rule(dtype: torch.dtype, device: torch.device) -> str:
+    """The one-row form :func:`decode_layout` takes unless told or asked to measure: ``stream`` on the
+    CPU wherever its kernel builds for ``dtype`` (it is the form the C++ decode kernel serves, and it
+    led every float32 and bfloat16 row of the timings in ``docs/benchmarks.md``), else ``torch.mv``.
+    A few rows take ``stream`` too where the matrices are stored in its rows, else ``F.linear``."""
     if device.type == "cpu" and dtype in stream.MATRIX_DTYPES and stream.failure() is None:
-        return "stream", "stream"
-    return "mv", "linear"
+        return "stream"
+    return "mv"
 
 
 def decode_layout(model: nn.Module, *, one_row: str | None = None, few_rows: str | None = None,
@@ -118,19 +118,14 @@ def decode_layout(model: nn.Module, *, one_row: str | None = None, few_rows: str
                 _store(modules, in_rows=stored_in_rows("mv", dtype))
                 continue
             by_rule = rule(dtype, device)
-            chosen = one_row or (fastest_one_row(modules, linears) if measure else by_rule[0])
+            chosen = one_row or (fastest_one_row(modules, linears) if measure else by_rule)
             _store(modules, in_rows=stored_in_rows(chosen, dtype))
-            few = few_rows or (fastest(linears, MEASURED_ROWS, few_row_candidates(chosen, dtype)) if measure
-                               else _few_rows_by_rule(chosen, by_rule[1], dtype))
+            candidates = few_row_candidates(chosen, dtype)  # stream among them where it reads these rows
+            few = few_rows or (fastest(linears, MEASURED_ROWS, candidates) if measure
+                               else "stream" if by_rule == "stream" and "stream" in candidates else "linear")
             for module in linears:
                 module.one_row, module.few_rows = chosen, few
     return model
-
-
-def _few_rows_by_rule(one_row: str, few_rows: str, dtype: torch.dtype) -> str:
-    """The rule's few-row form, or ``F.linear`` where it is ``stream`` and ``one_row`` stores the
-    matrices in (in, out) columns, which the stream kernel does not read."""
-    return "linear" if few_rows == "stream" and not stored_in_rows(one_row, dtype) else few_rows
 
 
 def is_laid_out(model: nn.Module) -> bool:

@@ -31,7 +31,7 @@ class Steps:
     def step(self, idx: Tensor, mask: Tensor | None, cache: Sequence[KVCache], past: int) -> Tensor:
         """Logits ``(B, V)`` of the token after ``idx`` ``(B, T)``, whose ``past`` positions are cached:
         the prefill, and with T = 1 a decode step."""
-        return self.model.logits(self.model.hidden(idx, mask, cache, past)[:, -1])
+        return next_logits(self.model, idx, mask, cache, past)
 
     def logits(self, idx: Tensor, mask: Tensor | None, cache: Sequence[KVCache], past: int) -> Tensor:
         """Logits ``(B, T, V)`` of every token of ``idx`` (a speculative verification)."""
@@ -41,6 +41,11 @@ class Steps:
                start: int = 0, stop: int | None = None, x: Tensor | None = None) -> Tensor:
         """:meth:`~selfattn.model.GPT.hidden` of blocks ``start .. stop - 1``, ``(B, T, C)``."""
         return self.model.hidden(idx, mask, cache, past, start=start, stop=stop, x=x)
+
+
+def next_logits(model: GPT, idx: Tensor, mask: Tensor | None, cache: Sequence[KVCache], past: int) -> Tensor:
+    """Logits ``(B, V)`` of the token after ``idx``: :meth:`Steps.step`, and what a compiled step compiles."""
+    return model.logits(model.hidden(idx, mask, cache, past)[:, -1])
 
 
 _compiled: weakref.WeakKeyDictionary[GPT, Steps] = weakref.WeakKeyDictionary()  # model -> its compiled steps
@@ -64,5 +69,5 @@ def decode_cache(model: GPT, batch_size: int, fills: int, rollback: int = 0) -> 
     """The caches of a generation whose last step caches ``fills`` positions; a compiled model's
     get a slot more, which its graphs never fill (see :mod:`selfattn.generation.compiled`)."""
     limit = model.max_positions
-    spare = steps_of(model).spare if limit is None or fills < limit else 0
+    spare = steps_of(model).spare if limit is not None and fills < limit else 0
     return model.new_cache(batch_size, fills + spare, rollback=rollback)

@@ -42,24 +42,18 @@ def _env_native_half() -> bool | None:
     return None if value == "" else value == "1"
 
 
-_native_half_cpu: list[bool | None] = []  # the setting, once read from the environment
-
-
-def _setting() -> bool | None:
-    if not _native_half_cpu:
-        _native_half_cpu.append(_env_native_half())
-    return _native_half_cpu[0]
+_native_half_cpu = _env_native_half()  # None: ask the CPU (an environment variable, read at import: no probe)
 
 
 def assume_native_half(native: bool | None) -> bool | None:
     """Decide for the CPU whether it multiplies half precision natively: True as a CPU with
     AVX512-BF16/AMX, False as one with AVX2 alone, None to ask the CPU again (the default). The
-    environment variable ``SELFATTN_NATIVE_HALF=1`` or ``=0`` sets it at the first ask. Returns the
+    environment variable ``SELFATTN_NATIVE_HALF=1`` or ``=0`` sets it at import. Returns the
     setting it replaced."""
     if native is not None and not isinstance(native, bool):
         raise TypeError(f"assume_native_half takes True, False or None, got {native!r}")
-    before = _setting()
-    _native_half_cpu[0] = native
+    global _native_half_cpu
+    before, _native_half_cpu = _native_half_cpu, native
     return before
 
 
@@ -71,8 +65,8 @@ def multiplies_natively(device: torch.device, dtype: torch.dtype) -> bool:
     (``docs/benchmarks.md``), so half tiles are better multiplied in float32 there."""
     if dtype not in (torch.float16, torch.bfloat16):
         return True
-    if device.type == "cpu" and _setting() is not None:
-        return _setting()
+    if device.type == "cpu" and _native_half_cpu is not None:
+        return _native_half_cpu
     if device.type == "cuda":
         return dtype == torch.float16 or torch.cuda.is_bf16_supported()
     if device.type == "cpu":

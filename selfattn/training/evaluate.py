@@ -14,6 +14,7 @@ number (not a mean of the windows' means), in nats per token; the perplexity is 
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -81,5 +82,5 @@ def perplexity(model: GPT, ids: Sequence[int] | Tensor, *, window: int | None = 
     finally:
         model.train(was_training)
     loss = nll / tokens
-    return Evaluation(loss=loss, perplexity=float(torch.tensor(loss, dtype=torch.float64).exp()), tokens=tokens,
+    return Evaluation(loss=loss, perplexity=math.exp(loss), tokens=tokens,
                       windows=windows, window=window, stride=stride)
