@@ -180,11 +180,12 @@ class Block(nn.Module):
             self.ln_2, self.post_ln_2 = make_pre(), make_post()
             self.mlp = _MLPS[config.mlp_kind](config)
 
-    def forward(self, x: Tensor, *, key_padding_mask: Tensor | None = None, positions: Tensor | None = None,
-                cache: KVCache | None = None, prefix_len: int | Tensor | None = None,
+    def forward(self, x: Tensor, *, key_padding_mask: Tensor | None = None, doc_ids: Tensor | None = None,
+                positions: Tensor | None = None, cache: KVCache | None = None, prefix_len: int | Tensor | None = None,
                 shard: SequenceShard | None = None, rope_angles: dict | None = None) -> Tensor:
-        x = x + self.post_ln_1(self.attn(self.ln_1(x), key_padding_mask=key_padding_mask, positions=positions,
-                                         cache=cache, prefix_len=prefix_len, shard=shard, rope_angles=rope_angles))
+        x = x + self.post_ln_1(self.attn(self.ln_1(x), key_padding_mask=key_padding_mask, doc_ids=doc_ids,
+                                         positions=positions, cache=cache, prefix_len=prefix_len, shard=shard,
+                                         rope_angles=rope_angles))
         if self.mlp is not None:
             x = x + self.post_ln_2(self.mlp(self.ln_2(x)))
         return x
@@ -274,28 +275,38 @@ class GPT(nn.Module):
                 for block in self.blocks]
 
     def forward(self, idx: Tensor, targets: Tensor | None = None, *, attention_mask: Tensor | None = None,
-                cache: Sequence[KVCache] | None = None, prefix_len: int | Tensor | None = None,
-                shard: SequenceShard | None = None) -> tuple[Tensor, Tensor | None]:
+                doc_ids: Tensor | None = None, cache: Sequence[KVCache] | None = None,
+                prefix_len: int | Tensor | None = None, shard: SequenceShard | None = None
+                ) -> tuple[Tensor, Tensor | None]:
         """Logits ``(B, T, V)`` for token ids ``idx`` ``(B, T)``, and the mean cross-entropy
         against ``targets`` ``(B, T)`` (positions with -100 ignored) when given, else None.
 
         attention_mask: ``(B, S)`` bool or 0/1 ints over every position, cached ones
             included (S = cached + T); 0 marks padding. Pass it on every call of a sequence.
         cache: from :meth:`new_cache`; the T tokens continue the cached ones.
+        doc_ids: ``(B, T)`` integers, non-decreasing along each row: packed documents. Each
+            document's positions start at 0 and no token attends to another document's.
         prefix_len: prefix-LM, an int or ``(B,)``: the first P positions attend bidirectionally.
         shard: idx (and targets) are this rank's part ``shard.split(...)`` of longer sequences
-            (see the module docstring); no attention_mask, cache or prefix_len with it.
+            (see the module docstring); no attention_mask, doc_ids, cache or prefix_len with it.
         """
         self.check_idx(idx)
         B, T = idx.shape
         if shard is not None:
-            self.check_shard(shard, T, attention_mask=attention_mask, cache=cache, prefix_len=prefix_len)
+            self.check_shard(shard, T, attention_mask=attention_mask, doc_ids=doc_ids, cache=cache,
+                             prefix_len=prefix_len)
+        if doc_ids is not None:
+            self.check_doc_ids(doc_ids, B, T, idx.device, attention_mask=attention_mask, cache=cache,
+                               prefix_len=prefix_len)
+            if self.config.sink_tokens:
+                raise ValueError("sink_tokens are the first positions of a row, not of each packed document: "
+                                 "train this model on unpacked rows")
         past = self.check_cache(cache, B, T if shard is None else shard.length)
         mask = None if attention_mask is None else self.check_attention_mask(attention_mask, B, past + T, idx.device)
         if mask is not None and self.config.sink_tokens and not bool(mask.all()):
             raise ValueError("sink_tokens are the first positions of the sequence, and left padding would make them "
                              "padding: run padded prompts separately, or pad on the right")
-        logits = self.logits(self.hidden(idx, mask, cache, past, prefix_len, shard))  # (B, T, V)
+        logits = self.logits(self.hidden(idx, mask, cache, past, prefix_len, shard, doc_ids=doc_ids))  # (B, T, V)
         if targets is None:
             return logits, None
         if not isinstance(targets, Tensor) or targets.shape != idx.shape or not _validate.is_integer(targets):
@@ -306,12 +317,13 @@ class GPT(nn.Module):
         return logits, loss
 
     def hidden(self, idx: Tensor | None, mask: Tensor | None, cache: Sequence[KVCache] | None, past: int,
-               prefix_len: int | Tensor | None = None, shard: SequenceShard | None = None, *, start: int = 0,
-               stop: int | None = None, x: Tensor | None = None) -> Tensor:
+               prefix_len: int | Tensor | None = None, shard: SequenceShard | None = None, *,
+               doc_ids: Tensor | None = None, start: int = 0, stop: int | None = None, x: Tensor | None = None
+               ) -> Tensor:
         """The final hidden states ``(B, T, C)`` after ``ln_f``, what :meth:`forward` runs after its
         checks: ``idx`` checked by :meth:`check_idx`, ``mask`` ``(B, past + T)`` bool from
-        :meth:`check_attention_mask` or None, ``past`` the cached positions (:meth:`check_cache`).
-        Nothing is checked here: a decode step calls it as it is.
+        :meth:`check_attention_mask` or None, ``past`` the cached positions (:meth:`check_cache`),
+        ``doc_ids`` from :meth:`check_doc_ids`. Nothing is checked here: a decode step calls it as it is.
 
         A range of the stack: blocks ``start .. stop - 1`` only, from ``x`` ``(B, T, C)``, the
         residual stream entering block ``start`` (then ``idx`` is not read); a stack stopped short
@@ -319,6 +331,10 @@ class GPT(nn.Module):
         T, device = (idx if x is None else x).shape[1], (idx if x is None else x).device
         if shard is not None:
             positions = shard.positions(device)  # (T,) this rank's tokens' places in the whole sequence
+        elif doc_ids is not None:
+            at = torch.arange(T, device=device).expand_as(doc_ids)  # (B, T)
+            starts = torch.where(doc_ids != doc_ids.roll(1, dims=1), at, 0)  # (B, T) t where a document starts, else 0
+            positions = at - starts.cummax(dim=1).values  # (B, T) places within each token's document
         elif mask is None:
             positions = torch.arange(past, past + T, device=device)  # (T,)
         else:
@@ -336,7 +352,7 @@ class GPT(nn.Module):
         angles = {}  # each RoPE rule's cos and sin at these positions, computed once for all layers
         stop = len(self.blocks) if stop is None else stop
         for i in range(start, stop):
-            x = self.blocks[i](x, key_padding_mask=mask, positions=rope_positions,
+            x = self.blocks[i](x, key_padding_mask=mask, doc_ids=doc_ids, positions=rope_positions,
                                cache=None if cache is None else cache[i], prefix_len=prefix_len, shard=shard,
                                rope_angles=angles)
         return self.ln_f(x) if stop == len(self.blocks) else x
@@ -373,6 +389,23 @@ class GPT(nn.Module):
         given = [name for name, value in alone.items() if value is not None]
         if given:
             raise ValueError(f"{', '.join(given)} cannot be combined with shard= (context parallelism)")
+
+    @staticmethod
+    def check_doc_ids(doc_ids, B: int, T: int, device, **alone) -> None:
+        """Packed documents: ``(B, T)`` integers on ``device``, non-decreasing along each row (each
+        document one run of positions), and none of ``alone`` (a cache, an attention mask) given."""
+        if not isinstance(doc_ids, Tensor) or not _validate.is_integer(doc_ids):
+            raise TypeError(f"doc_ids must be an integer tensor, got "
+                            f"{doc_ids.dtype if isinstance(doc_ids, Tensor) else type(doc_ids).__name__}")
+        if doc_ids.shape != (B, T) or doc_ids.device != device:
+            raise ValueError(f"doc_ids must have shape (B={B}, T={T}) on {device} like idx, got "
+                             f"{tuple(doc_ids.shape)} on {doc_ids.device}")
+        if bool((doc_ids[:, 1:] < doc_ids[:, :-1]).any()):
+            raise ValueError("doc_ids must be non-decreasing along each row: every document one run of positions")
+        given = [name for name, value in alone.items() if value is not None]
+        if given:
+            raise ValueError(f"doc_ids (packed documents) cannot be combined with {', '.join(given)}: pad a row with "
+                             f"a document of its own")
 
     def check_cache(self, cache, B: int, T: int) -> int:
         """Validate ``cache`` against a batch of B rows and T new tokens; return the cached length."""

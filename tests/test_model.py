@@ -127,6 +127,42 @@ def test_left_padded_batch_equals_each_prompt_alone(variant, backend):
     assert torch.equal(model(idx, attention_mask=mask.bool())[0], batched)  # bool and 0/1 masks agree
 
 
+@pytest.mark.parametrize("variant, backend", PAIRS)
+def test_packed_documents_equal_each_document_alone(variant, backend):
+    model = scrambled(small(backend=backend, **VARIANTS[variant]))
+    docs = [torch.randint(1, 61, (n,)) for n in (7, 3, 10, 4)]
+    idx = torch.cat(docs)[None]  # (1, 24): four documents in one row
+    doc_ids = torch.cat([torch.full((len(d),), i) for i, d in enumerate(docs)])[None]  # (1, 24)
+    packed, _ = model(idx, doc_ids=doc_ids)
+    start = 0
+    for d in docs:
+        alone, _ = model(d[None])
+        assert_same_logits(packed[0, start:start + len(d)], alone[0])
+        start += len(d)
+    unpacked, _ = model(idx)  # negative control: without doc_ids the later documents see the earlier ones
+    assert (unpacked[0, 7:10] - packed[0, 7:10]).abs().amax() > 1e-2
+
+
+@pytest.mark.parametrize("doc_ids, error, words", [
+    (torch.tensor([[0, 0, 1, 0]]), ValueError, "non-decreasing"),
+    (torch.tensor([[0.0, 0, 1, 1]]), TypeError, "integer"),
+    (torch.tensor([[0, 0, 1]]), ValueError, "shape"),
+])
+def test_bad_doc_ids(doc_ids, error, words):
+    with pytest.raises(error, match=words):
+        GPT(small())(torch.zeros(1, 4, dtype=torch.long), doc_ids=doc_ids)
+
+
+def test_doc_ids_refuse_a_cache_and_an_attention_mask():
+    model, idx, doc_ids = GPT(small()), torch.zeros(1, 4, dtype=torch.long), torch.zeros(1, 4, dtype=torch.long)
+    with pytest.raises(ValueError, match="cache"):
+        model(idx, doc_ids=doc_ids, cache=model.new_cache(1))
+    with pytest.raises(ValueError, match="attention_mask"):
+        model(idx, doc_ids=doc_ids, attention_mask=torch.ones(1, 4))
+    with pytest.raises(ValueError, match="sink_tokens .* unpacked"):
+        GPT(small(window=2, sink_tokens=1))(idx, doc_ids=doc_ids)
+
+
 def test_too_long_is_a_clear_error():
     model = GPT(small())
     model(torch.zeros(1, 24, dtype=torch.long))  # exactly block_size is fine
