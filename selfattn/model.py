@@ -27,6 +27,14 @@ Padding. Batches of prompts of different lengths are left-padded and described b
 Positions count real tokens only (``cumsum(mask) - 1``, 0 on padding), padding keys are
 never attended to, so a padded row computes exactly what the prompt would alone.
 
+Packed documents. ``doc_ids`` ``(B, T)`` (non-decreasing along a row) packs several documents
+into one row: positions restart at each, and no token attends to another document's, so each
+computes exactly what it would alone.
+
+Training. With ``targets`` the forward returns the loss alone, computed a chunk of positions at a
+time (:mod:`selfattn.loss`: the whole ``(B, T, V)`` logits are never held); ``checkpointing = True``
+makes the blocks recompute their activations in the backward instead of keeping them.
+
 Context parallelism. ``forward(idx, targets, shard=shard)`` runs the model on one rank's part
 of sequences split across processes (a :class:`~selfattn.distributed.SequenceShard`): the
 tokens get their global positions and every attention layer is ring attention over the whole
@@ -48,13 +56,14 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from selfattn import _validate
 from selfattn.attention import SelfAttention
 from selfattn.config import MLP_KINDS, GPTConfig
 from selfattn.kv_cache import KVCache, RollingKVCache
+from selfattn.loss import head_cross_entropy
 
 if TYPE_CHECKING:  # the core never imports the distributed layer; a shard is handed in
     from selfattn.distributed import SequenceShard
@@ -208,6 +217,7 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.lm_head.weight = self.wte.weight  # tied: one (V, C) matrix embeds and un-embeds
+        self.checkpointing = False  # True: blocks recompute their activations in the backward (less memory)
         self._init_weights()
 
     @torch.no_grad()
@@ -277,9 +287,11 @@ class GPT(nn.Module):
     def forward(self, idx: Tensor, targets: Tensor | None = None, *, attention_mask: Tensor | None = None,
                 doc_ids: Tensor | None = None, cache: Sequence[KVCache] | None = None,
                 prefix_len: int | Tensor | None = None, shard: SequenceShard | None = None
-                ) -> tuple[Tensor, Tensor | None]:
-        """Logits ``(B, T, V)`` for token ids ``idx`` ``(B, T)``, and the mean cross-entropy
-        against ``targets`` ``(B, T)`` (positions with -100 ignored) when given, else None.
+                ) -> tuple[Tensor | None, Tensor | None]:
+        """``(logits, None)``: logits ``(B, T, V)`` for token ids ``idx`` ``(B, T)``; or, with
+        ``targets`` ``(B, T)``, ``(None, loss)``: the mean cross-entropy (positions with -100 ignored),
+        computed a chunk of positions at a time (:mod:`selfattn.loss`), so that the whole logits are
+        never held (for them, call without targets).
 
         attention_mask: ``(B, S)`` bool or 0/1 ints over every position, cached ones
             included (S = cached + T); 0 marks padding. Pass it on every call of a sequence.
@@ -306,15 +318,15 @@ class GPT(nn.Module):
         if mask is not None and self.config.sink_tokens and not bool(mask.all()):
             raise ValueError("sink_tokens are the first positions of the sequence, and left padding would make them "
                              "padding: run padded prompts separately, or pad on the right")
-        logits = self.logits(self.hidden(idx, mask, cache, past, prefix_len, shard, doc_ids=doc_ids))  # (B, T, V)
-        if targets is None:
-            return logits, None
-        if not isinstance(targets, Tensor) or targets.shape != idx.shape or not _validate.is_integer(targets):
+        if targets is not None and not (isinstance(targets, Tensor) and targets.shape == idx.shape
+                                        and _validate.is_integer(targets)):
             raise ValueError(f"targets must be an integer tensor shaped like idx {tuple(idx.shape)}, got "
                              f"{tuple(targets.shape) if isinstance(targets, Tensor) else type(targets).__name__}")
-        work = torch.promote_types(logits.dtype, torch.float32)  # half logits: the loss in float32
-        loss = F.cross_entropy(logits.flatten(0, 1).to(work), targets.flatten(), ignore_index=-100)  # (B·T, V)
-        return logits, loss
+        h = self.hidden(idx, mask, cache, past, prefix_len, shard, doc_ids=doc_ids)  # (B, T, C)
+        if targets is None:
+            return self.logits(h), None  # (B, T, V)
+        return None, head_cross_entropy(h.flatten(0, 1), self.lm_head.weight, targets.flatten(),
+                                        softcap=self.config.logit_softcap)  # (B·T, C) against (B·T,)
 
     def hidden(self, idx: Tensor | None, mask: Tensor | None, cache: Sequence[KVCache] | None, past: int,
                prefix_len: int | Tensor | None = None, shard: SequenceShard | None = None, *,
@@ -351,10 +363,11 @@ class GPT(nn.Module):
         rope_positions = positions if self.wpe is None else None
         angles = {}  # each RoPE rule's cos and sin at these positions, computed once for all layers
         stop = len(self.blocks) if stop is None else stop
+        recompute = self.checkpointing and torch.is_grad_enabled()
         for i in range(start, stop):
-            x = self.blocks[i](x, key_padding_mask=mask, doc_ids=doc_ids, positions=rope_positions,
-                               cache=None if cache is None else cache[i], prefix_len=prefix_len, shard=shard,
-                               rope_angles=angles)
+            kw = dict(key_padding_mask=mask, doc_ids=doc_ids, positions=rope_positions,
+                      cache=None if cache is None else cache[i], prefix_len=prefix_len, shard=shard, rope_angles=angles)
+            x = checkpoint(self.blocks[i], x, use_reentrant=False, **kw) if recompute else self.blocks[i](x, **kw)
         return self.ln_f(x) if stop == len(self.blocks) else x
 
     def logits(self, h: Tensor) -> Tensor:

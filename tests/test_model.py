@@ -75,14 +75,35 @@ def test_logits_and_loss():
     model = scrambled(small())
     idx = torch.randint(0, 61, (3, 10))
     targets = torch.randint(0, 61, (3, 10))
-    logits, loss = model(idx, targets)
-    assert logits.shape == (3, 10, 61) and model(idx)[1] is None
+    logits, none = model(idx)
+    assert logits.shape == (3, 10, 61) and none is None
+    nothing, loss = model(idx, targets)  # with targets, the loss alone: the logits are never held whole
+    assert nothing is None
     torch.testing.assert_close(loss, F.cross_entropy(logits.reshape(30, 61), targets.reshape(30)))
     ignored = targets.clone()
     ignored[:, :4] = -100  # e.g. padding or the prompt
     _, partial = model(idx, ignored)
     torch.testing.assert_close(partial, F.cross_entropy(logits[:, 4:].reshape(18, 61), targets[:, 4:].reshape(18)))
     assert not torch.isclose(partial, loss)  # negative control: ignoring did change the loss
+
+
+@pytest.mark.parametrize("variant", ["rope", "gemma-shaped"])
+def test_recomputed_activations_give_the_same_loss_and_gradients(variant):
+    model = scrambled(small(dropout=0.1, **VARIANTS[variant])).train()
+    idx, targets = torch.randint(0, 61, (2, 12)), torch.randint(0, 61, (2, 12))
+    runs, calls = [], []
+    model.blocks[0].register_forward_pre_hook(lambda *_: calls.append(1))
+    for checkpointing in (False, True):
+        model.checkpointing = checkpointing
+        model.zero_grad()
+        calls.clear()
+        torch.manual_seed(3)  # the same dropout masks: recomputation replays them
+        loss = model(idx, targets)[1]
+        loss.backward()
+        runs.append([loss] + [p.grad.clone() for p in model.parameters()])
+        assert len(calls) == 1 + checkpointing  # recomputed: the block ran again in the backward
+    for kept, recomputed in zip(*runs):
+        assert torch.equal(kept, recomputed)
 
 
 def test_training_steps_reduce_the_loss():

@@ -73,6 +73,8 @@ class TrainConfig:
     device: str = described("auto", '"auto" (CUDA if available, else CPU) or a torch device: "cpu", "cuda", "mps"')
     bf16: bool = described(False, 'bfloat16 autocast for forward and backward; weights and AdamW state stay float32')
     compile: bool = described(False, 'torch.compile the model')
+    checkpoint_activations: bool = described(False, "recompute each block's activations in the backward instead of "
+                                                    "keeping them: less memory for one more forward of the blocks")
     fsdp: bool = described(False, 'under torchrun: shard the model with FSDP2 instead of replicating it with DDP')
     context_parallel: int = described(1, 'under torchrun: split each sequence over this many ranks (ring attention)')
 
@@ -315,6 +317,7 @@ def _train(model_cfg: GPTConfig, cfg: TrainConfig, out: Path, resume_from: Path 
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank
     raw = GPT(model_cfg) if source is None else _start_from(source, model_cfg, cfg.init_from)
     raw = raw.to(device)
+    raw.checkpointing = cfg.checkpoint_activations
     run = _Run(parallel.wrap(raw, compile=cfg.compile, fsdp=cfg.fsdp, world=world, device=device),
                corpus, cfg, model_cfg, rank, world, device, _Rows(shard, dp_rank, dp_world))
     start, records = 0, []
