@@ -22,6 +22,7 @@ file is read once and its digest checked once; nothing is ever downloaded.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -118,7 +119,28 @@ def _read(path: Path) -> Loaded:
         model.load_state_dict(weights)
     except RuntimeError as e:
         raise ValueError(f"{path}: weights do not fit the configured model: {one_line(e)}") from None
-    return Loaded(model, tokenizer, _newline(tokenizer), path)
+    return _with_special(Loaded(model, tokenizer, _newline(tokenizer), path), meta.get("special"))
+
+
+def special_of(loaded: Loaded) -> dict:
+    """What a fine-tuned run keeps of the model it started from, beside its tokenizer, JSON-ready:
+    the start token, bos, eos and chat template (read back by :func:`load`)."""
+    chat = loaded.chat
+    return {"start": loaded.start_token, "bos": loaded.bos, "eos": list(loaded.eos),
+            "chat_template": chat and chat.source, "chat_tokens": chat.tokens if chat else {}}
+
+
+def _with_special(loaded: Loaded, special: dict | None) -> Loaded:
+    """``loaded`` (a run) given the special tokens and chat template of :func:`special_of` (None: none)."""
+    if special is None:
+        return loaded
+    if not (isinstance(special, dict) and {"start", "bos", "eos", "chat_template", "chat_tokens"} <= set(special)):
+        raise ValueError(f"{loaded.source}: its meta's 'special' entry is damaged (expected start, bos, eos, "
+                         f"chat_template and chat_tokens)")
+    template, where = special["chat_template"], f"{loaded.source} (the chat template of the model it started from)"
+    chat = ChatTemplate(template, special["chat_tokens"], where) if template else None
+    return dataclasses.replace(loaded, start_token=special["start"], bos=special["bos"], eos=tuple(special["eos"]),
+                               chat=chat)
 
 
 def is_transformers_folder(path: Path) -> bool:

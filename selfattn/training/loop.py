@@ -41,7 +41,7 @@ from selfattn._seeds import stream_seed
 from selfattn.config import GPTConfig
 from selfattn.distributed import SequenceShard
 from selfattn.families import writing
-from selfattn.io.loading import Loaded, load
+from selfattn.io.loading import Loaded, load, special_of
 from selfattn.model import GPT
 from selfattn.tokenizers import from_spec
 from selfattn.training import checkpoint, data, lock, parallel
@@ -305,12 +305,12 @@ def _train(model_cfg: GPTConfig, cfg: TrainConfig, out: Path, resume_from: Path 
         checkpoint.remove_temporaries(out)
     saved = checkpoint.read(resume_from) if resume_from is not None else None  # (tensors, header), verified
     trained_on = saved[1]["meta"]["data"]["fingerprint"] if saved else None
-    source = tokenizer = None  # fine-tuning: the model started from, and its own tokenizer
+    source = tokenizer = special = None  # fine-tuning: the model started from, its tokenizer, special tokens
     if cfg.init_from is not None and saved is None:
         source = _source(cfg.init_from)
-        tokenizer = source.tokenizer
-    elif cfg.init_from is not None:
-        tokenizer = from_spec(saved[1]["meta"]["tokenizer"])  # the run's, which came from the model
+        tokenizer, special = source.tokenizer, special_of(source)
+    elif cfg.init_from is not None:  # the run's, which came from the model
+        tokenizer, special = from_spec(saved[1]["meta"]["tokenizer"]), saved[1]["meta"].get("special")
     corpus = _prepare_data(out, cfg, model_cfg.block_size, rank, trained_on, tokenizer)
     if tokenizer is None:
         model_cfg = dataclasses.replace(model_cfg, vocab_size=corpus.tokenizer.vocab_size)
@@ -335,6 +335,8 @@ def _train(model_cfg: GPTConfig, cfg: TrainConfig, out: Path, resume_from: Path 
     meta = {"model": dataclasses.asdict(model_cfg), "train": dataclasses.asdict(cfg),
             "tokenizer": corpus.tokenizer.spec(),
             "data": {"fingerprint": corpus.fingerprint, "description": corpus.description}}
+    if special is not None:
+        meta["special"] = special
     if start >= cfg.max_steps:
         return TrainResult(out, start, 0, log.last("val_loss"), None, checkpoint.latest(out))
     if start == 0:

@@ -88,3 +88,8 @@ def test_smollm2_fine_tunes_with_its_own_tokenizer(tmp_path):
     assert tuned.tokenizer.encode("The Zorblax") == source.tokenizer.encode("The Zorblax")
     w = "blocks.0.attn.qkv.weight"
     assert torch.equal(tuned.model.state_dict()[w], source.model.state_dict()[w])  # lr 0: the file's weights
+    assert (tuned.bos, tuned.eos, tuned.start_token) == (source.bos, source.eos, source.start_token) == (1, (2,), 1)
+    conversation = [{"role": "user", "content": "Hi"}]
+    assert tuned.require_chat().render(conversation) == source.require_chat().render(conversation)
+    plain = loading.load(checkpoint.latest(out))  # the checkpoint file alone carries them too
+    assert plain.eos == (2,) and plain.chat is not None
