@@ -41,10 +41,10 @@ from selfattn._seeds import stream_seed
 from selfattn.config import GPTConfig
 from selfattn.distributed import SequenceShard
 from selfattn.families import writing
-from selfattn.io.loading import Loaded, load, special_of
+from selfattn.io.loading import special_of
 from selfattn.model import GPT
 from selfattn.tokenizers import from_spec
-from selfattn.training import checkpoint, data, lock, parallel
+from selfattn.training import checkpoint, data, finetune, lock, parallel
 
 
 @dataclass
@@ -175,39 +175,9 @@ def resolve_configs(out: str | os.PathLike, *, preset: str | None = None, config
                              "model part (flags and --set change single fields)")
         if {"tokenizer", "bpe_vocab"} & {*train_flags, *train_vals}:
             raise ValueError("--init-from trains with the model's own tokenizer: drop --tokenizer and bpe_vocab")
-        return _source_config(train_cfg.init_from, model_flags), train_cfg, None
+        return finetune.changed_config(finetune.source(train_cfg.init_from).model, model_flags,
+                                       train_cfg.init_from), train_cfg, None
     return GPTConfig(**{**model_vals, **model_flags}), train_cfg, None
-
-
-def _source(path: str) -> Loaded:
-    """The model ``--init-from`` names, with its tokenizer; a ValueError naming the flag otherwise."""
-    try:
-        source = load(path)
-        source.require_tokenizer()
-    except ValueError as e:
-        raise ValueError(f"--init-from: {e}") from None
-    return source
-
-
-def _source_config(path: str, model_flags: dict) -> GPTConfig:
-    """The config of the model at ``path`` with the fields ``model_flags`` change (attention surgery:
-    a window, sink tokens), refused when its weights cannot fill the shapes it makes."""
-    source = _source(path).model
-    config = dataclasses.replace(source.config, **model_flags)
-    with torch.device("meta"):  # shapes only, nothing allocated
-        _check_fits(GPT(config), source, path)
-    return config
-
-
-def _check_fits(model: GPT, source: GPT, path: str) -> None:
-    """Refuse a ``model`` whose tensors the weights of ``source`` cannot fill, naming them."""
-    theirs, ours = source.state_dict(), model.state_dict()
-    wrong = [f"{k} {tuple(ours[k].shape)} != {tuple(theirs[k].shape)}" for k in ours
-             if k in theirs and ours[k].shape != theirs[k].shape]
-    wrong += [f"no {k}" for k in sorted(set(ours) - set(theirs))]
-    if wrong:
-        raise ValueError(f"--init-from {path}: the flags change the model's shape, which its weights cannot fill: "
-                         + "; ".join(wrong[:4]) + (f" and {len(wrong) - 4} more" if len(wrong) > 4 else ""))
 
 
 def _layers(preset: str | None, arch: str | None, config: str | None, model_flags: dict) -> tuple[dict, dict]:
@@ -307,7 +277,7 @@ def _train(model_cfg: GPTConfig, cfg: TrainConfig, out: Path, resume_from: Path 
     trained_on = saved[1]["meta"]["data"]["fingerprint"] if saved else None
     source = tokenizer = special = None  # fine-tuning: the model started from, its tokenizer, special tokens
     if cfg.init_from is not None and saved is None:
-        source = _source(cfg.init_from)
+        source = finetune.source(cfg.init_from)
         tokenizer, special = source.tokenizer, special_of(source)
     elif cfg.init_from is not None:  # the run's, which came from the model
         tokenizer, special = from_spec(saved[1]["meta"]["tokenizer"]), saved[1]["meta"].get("special")
@@ -315,7 +285,7 @@ def _train(model_cfg: GPTConfig, cfg: TrainConfig, out: Path, resume_from: Path 
     if tokenizer is None:
         model_cfg = dataclasses.replace(model_cfg, vocab_size=corpus.tokenizer.vocab_size)
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank
-    raw = GPT(model_cfg) if source is None else _start_from(source, model_cfg, cfg.init_from)
+    raw = GPT(model_cfg) if source is None else finetune.start_from(source, model_cfg, cfg.init_from)
     raw = raw.to(device)
     raw.checkpointing = cfg.checkpoint_activations
     run = _Run(parallel.wrap(raw, compile=cfg.compile, fsdp=cfg.fsdp, world=world, device=device),
@@ -452,15 +422,6 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
         return cfg.lr * step / cfg.warmup_steps
     progress = min((step - cfg.warmup_steps) / max(cfg.max_steps - cfg.warmup_steps, 1), 1.0)
     return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1.0 + math.cos(math.pi * progress))
-
-
-def _start_from(source: Loaded, model_cfg: GPTConfig, path: str) -> GPT:
-    """A model of ``model_cfg`` holding ``source``'s weights; a config whose shapes they cannot fill
-    (a flag that changed a size) is a ValueError naming the tensors."""
-    model = GPT.empty(model_cfg)
-    _check_fits(model, source.model, path)
-    model.load_state_dict(source.model.state_dict(), strict=True)
-    return model
 
 
 def _prepare_data(out: Path, cfg: TrainConfig, block_size: int, rank: int, trained_on: str | None,
