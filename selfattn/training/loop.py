@@ -55,6 +55,8 @@ class TrainConfig:
     tokenizer: str = described("byte", '"byte" (vocabulary 256, any text) or "bpe" (trained locally on the corpus)')
     bpe_vocab: int = described(2048, 'BPE vocabulary size (256 bytes + merges), with tokenizer "bpe"')
     val_fraction: float = described(0.1, 'the last fraction of the tokens, held out for evaluation')
+    seq_len: int | None = described(None, "tokens per training row; none = the model's block_size (fine-tuning a "
+                                          "long-context model on shorter rows keeps its context)")
     batch_size: int = described(32, 'sequences per optimizer step, over all ranks and micro-steps together')
     grad_accum: int = described(1, 'micro-steps per optimizer step: each runs batch_size / (ranks * grad_accum) rows')
     max_steps: int = described(2000, 'optimizer steps; the cosine decay ends here')
@@ -86,6 +88,8 @@ class TrainConfig:
             raise ValueError(f"context_parallel={self.context_parallel} runs with DDP, eagerly: not with "
                              f"{'fsdp' if self.fsdp else 'compile'}")
         _validate.count("warmup_steps", self.warmup_steps)
+        if self.seq_len is not None:
+            _validate.positive_int("seq_len", self.seq_len)
         if self.tokenizer not in ("byte", "bpe"):
             raise ValueError(f"tokenizer must be 'byte' or 'bpe', got {self.tokenizer!r}")
         if self.init_from is not None and (not isinstance(self.init_from, str) or not self.init_from):
@@ -262,8 +266,11 @@ def train(model_cfg: GPTConfig, cfg: TrainConfig, out: str | os.PathLike, *, res
 def _train(model_cfg: GPTConfig, cfg: TrainConfig, out: Path, resume_from: Path | None,
            on_event: OnEvent | None) -> TrainResult:
     _check_context_parallel(model_cfg, cfg.context_parallel)
+    seq_len = cfg.seq_len or model_cfg.block_size
+    if seq_len > model_cfg.block_size:
+        raise ValueError(f"seq_len={seq_len} is longer than the model's block_size={model_cfg.block_size}")
     rank, world, device = parallel.setup(_validate.device(cfg.device), cfg.fsdp, cfg.context_parallel)
-    shard, dp_rank, dp_world = parallel.context_parallel(cfg.context_parallel, rank, world, model_cfg.block_size,
+    shard, dp_rank, dp_world = parallel.context_parallel(cfg.context_parallel, rank, world, seq_len,
                                                          model_cfg.window)
     if cfg.batch_size % (dp_world * cfg.grad_accum):
         raise ValueError(f"batch_size={cfg.batch_size} must be a multiple of data-parallel ranks * grad_accum = "
@@ -281,7 +288,7 @@ def _train(model_cfg: GPTConfig, cfg: TrainConfig, out: Path, resume_from: Path 
         tokenizer, special = source.tokenizer, special_of(source)
     elif cfg.init_from is not None:  # the run's, which came from the model
         tokenizer, special = from_spec(saved[1]["meta"]["tokenizer"]), saved[1]["meta"].get("special")
-    corpus = _prepare_data(out, cfg, model_cfg.block_size, rank, trained_on, tokenizer)
+    corpus = _prepare_data(out, cfg, seq_len, rank, trained_on, tokenizer)
     if tokenizer is None:
         model_cfg = dataclasses.replace(model_cfg, vocab_size=corpus.tokenizer.vocab_size)
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank
@@ -311,7 +318,7 @@ def _train(model_cfg: GPTConfig, cfg: TrainConfig, out: Path, resume_from: Path 
         return TrainResult(out, start, 0, log.last("val_loss"), None, checkpoint.latest(out))
     if start == 0:
         log.add({"step": 0, "val_loss": run.evaluate()})
-    tokens_per_step = cfg.batch_size * model_cfg.block_size
+    tokens_per_step = cfg.batch_size * seq_len
     seconds = []  # per step, for the mean rate
     for step in range(start + 1, cfg.max_steps + 1):
         t0 = time.perf_counter()
@@ -366,7 +373,7 @@ class _Run:
 
     def __init__(self, model: nn.Module, corpus: data.Corpus, cfg: TrainConfig, model_cfg: GPTConfig,
                  rank: int, world: int, device: torch.device, rows: _Rows):
-        self.model, self.corpus, self.cfg, self.block = model, corpus, cfg, model_cfg.block_size
+        self.model, self.corpus, self.cfg, self.block = model, corpus, cfg, cfg.seq_len or model_cfg.block_size
         self.rank, self.world, self.device, self.rows = rank, world, device, rows
         self.optimizer = _optimizer(model, cfg)
         self.autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.bf16)

@@ -80,7 +80,7 @@ def test_smollm2_fine_tunes_with_its_own_tokenizer(tmp_path):
     data = tmp_path / "notes.txt"
     data.write_text("The Zorblax project keeps its notes in plain text. " * 40)
     out = tmp_path / "smol"
-    assert main(["train", "--init-from", str(smollm2()), "--data", str(data), "--block-size", "32",
+    assert main(["train", "--init-from", str(smollm2()), "--data", str(data), "--seq-len", "32",
                  "--batch-size", "2", "--max-steps", "1", "--eval-every", "1", "--set", "eval_batches=1",
                  "--out", str(out), *FROZEN]) == 0
     tuned, source = loading.load(out), loading.load(smollm2())
@@ -88,6 +88,7 @@ def test_smollm2_fine_tunes_with_its_own_tokenizer(tmp_path):
     assert tuned.tokenizer.encode("The Zorblax") == source.tokenizer.encode("The Zorblax")
     w = "blocks.0.attn.qkv.weight"
     assert torch.equal(tuned.model.state_dict()[w], source.model.state_dict()[w])  # lr 0: the file's weights
+    assert tuned.model.config.block_size == source.model.config.block_size  # rows of 32 tokens; its context kept
     assert (tuned.bos, tuned.eos, tuned.start_token) == (source.bos, source.eos, source.start_token) == (1, (2,), 1)
     conversation = [{"role": "user", "content": "Hi"}]
     assert tuned.require_chat().render(conversation) == source.require_chat().render(conversation)
