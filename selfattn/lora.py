@@ -214,6 +214,15 @@ def base_digest(model: GPT) -> str:
     return digest({k: v for k, v in model.state_dict().items() if not k.endswith((".lora_A", ".lora_B"))}, {})
 
 
+def check_base(base: dict, digest: str, what: str) -> None:
+    """Refuse adapters trained on the base ``base`` (``{"path", "digest"}``) when the model loaded from
+    its path now has the digest ``digest`` (another model, or the file changed), naming both."""
+    if base["digest"] != digest:
+        raise ValueError(f"{what} holds LoRA adapters trained on the base model {base['path']} of SHA-256 "
+                         f"{base['digest'][:12]}..., but {base['path']} now holds a model of SHA-256 {digest[:12]}...; "
+                         f"put the base back, or fine-tune again")
+
+
 def save_peft(model: GPT, folder: str | os.PathLike, model_type: str, *, base_model: str) -> Path:
     """Write ``model``'s adapters as a ``peft`` adapter folder for ``model_type``'s ``transformers``
     model (``base_model``: its ``base_model_name_or_path``), which ``PeftModel.from_pretrained`` loads;

@@ -1,4 +1,4 @@
-"""A model's loss and perplexity on a text file.
+"""A model's loss and perplexity on a text file, or on the assistant's tokens of a chat file.
 
 ``--ckpt`` takes any path ``selfattn sample`` takes: a run folder of ``selfattn train``, a
 checkpoint file, a local folder written by ``transformers``' ``save_pretrained`` or a GGUF file
@@ -9,7 +9,14 @@ The text is read in windows of ``--window`` tokens (default: the model's ``block
 starting every ``--stride`` tokens (default: ``--window``, disjoint windows), as transformers'
 perplexity guide reads it (:mod:`selfattn.training.evaluate`): each window predicts the tokens
 past the previous one's end, so a smaller stride gives each token more context, for more
-forwards. Prints the loss in nats per predicted token and, last, the perplexity, its exponential.
+forwards.
+
+A ``--data`` file whose name ends in ``.jsonl`` is chat data (:mod:`selfattn.training.chat`): one
+conversation a line, each rendered with the model's chat template, read whole in one forward, and
+only the assistant's tokens predicted (what fine-tuning on it trains); a conversation longer than
+the model's ``block_size`` is refused, naming its line. ``--window`` and ``--stride`` are for text.
+
+Prints the loss in nats per predicted token and, last, the perplexity, its exponential.
 """
 from __future__ import annotations
 
@@ -17,16 +24,18 @@ import argparse
 from pathlib import Path
 
 from selfattn import _validate
-from selfattn.io.loading import load
+from selfattn.io.loading import Loaded, load
+from selfattn.training import chat
 from selfattn.training.data import read_corpus
-from selfattn.training.evaluate import perplexity
+from selfattn.training.evaluate import masked_perplexity, perplexity
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ckpt", required=True, metavar="PATH", default=argparse.SUPPRESS,
                    help="run folder, checkpoint file, local folder saved by transformers, or GGUF file")
     p.add_argument("--data", required=True, metavar="FILE", default=argparse.SUPPRESS,
-                   help="a UTF-8 text file, tokenized with the model's tokenizer")
+                   help="a UTF-8 text file, tokenized with the model's tokenizer; or a .jsonl chat file "
+                        "({\"messages\": [...]} a line): the loss over the assistant's tokens")
     p.add_argument("--window", type=int, default=None, metavar="N",
                    help="tokens a window reads; unset: the model's block_size")
     p.add_argument("--stride", type=int, default=None, metavar="N",
@@ -37,6 +46,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     check_flags(args)  # before the model is loaded: seconds
+    if chat.is_chat_data(args.data):
+        return main_chat(args)
     text = read_text(args.data)
     device = _validate.device(args.device)
     loaded = load(args.ckpt)
@@ -49,9 +60,7 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError(f"--data {args.data!r} is {len(ids)} token(s) long with the tokenizer of {loaded.source}; "
                          f"a perplexity needs at least 2")
     result = perplexity(loaded.model.to(device), ids, window=window, stride=args.stride)
-    cfg = loaded.model.config
-    print(f"selfattn eval: {loaded.source}: {cfg.n_layer} layers x {cfg.n_head} heads, C={cfg.n_embd}, "
-          f"{loaded.model.num_params() / 1e6:.2f}M parameters, on {device}")
+    print_model(loaded, device)
     print(f"  {args.data}: {len(ids):,} tokens, {result.tokens:,} predicted")
     print(f"  {result.windows:,} window{'s' * (result.windows != 1)} of up to {result.window} tokens, "
           f"stride {result.stride}")
@@ -60,8 +69,34 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
+def main_chat(args: argparse.Namespace) -> int:
+    """``selfattn eval`` on a chat file: the loss over the assistant's tokens, one conversation a forward."""
+    conversations = chat.read_conversations(args.data)  # before the model is loaded
+    device = _validate.device(args.device)
+    loaded = load(args.ckpt)
+    encoded = chat.encode_all(conversations, loaded.require_tokenizer(), loaded.require_chat(), where=args.data,
+                              block_size=loaded.model.config.block_size)
+    result = masked_perplexity(loaded.model.to(device), [(e.ids, e.targets()) for e in encoded])
+    print_model(loaded, device)
+    print(f"  {args.data}: {len(encoded):,} conversations, {sum(len(e.ids) for e in encoded):,} tokens, "
+          f"{result.tokens:,} assistant tokens predicted")
+    print(f"loss {result.loss:.6g}")
+    print(f"perplexity {result.perplexity:.6g}")
+    return 0
+
+
+def print_model(loaded: Loaded, device) -> None:
+    """The first line of the report: the model and where it runs."""
+    cfg = loaded.model.config
+    print(f"selfattn eval: {loaded.source}: {cfg.n_layer} layers x {cfg.n_head} heads, C={cfg.n_embd}, "
+          f"{loaded.model.num_params() / 1e6:.2f}M parameters, on {device}")
+
+
 def check_flags(args: argparse.Namespace) -> None:
     """The flags' values that need no model, checked before it is loaded."""
+    if chat.is_chat_data(args.data) and (args.window is not None or args.stride is not None):
+        raise ValueError(f"--window and --stride read a text in windows; the chat file {args.data!r} is read one "
+                         f"whole conversation a forward: drop them")
     for flag in ("window", "stride"):
         value = getattr(args, flag)
         if value is not None and value < 1:

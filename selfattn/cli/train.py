@@ -38,9 +38,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 # the fields a user reaches for as flags; every other one is --set FIELD=VALUE
 MODEL_FLAGS = ("n_layer", "n_head", "n_embd", "n_kv_head", "block_size", "dropout", "bias")
-TRAIN_FLAGS = ("data", "init_from", "tokenizer", "seq_len", "batch_size", "grad_accum", "max_steps", "lr", "min_lr",
-               "warmup_steps", "weight_decay", "grad_clip", "eval_every", "save_every", "seed", "device", "bf16",
-               "compile", "fsdp", "context_parallel")
+TRAIN_FLAGS = ("data", "init_from", "tokenizer", "seq_len", "pack", "batch_size", "grad_accum", "max_steps", "lr",
+               "min_lr", "warmup_steps", "weight_decay", "grad_clip", "eval_every", "save_every", "seed", "device",
+               "bf16", "compile", "checkpoint_activations", "fsdp", "context_parallel", "lora_rank", "lora_alpha",
+               "lora_dropout", "lora_mlp")
 
 
 def main(args: argparse.Namespace) -> int:

@@ -29,9 +29,10 @@ from pathlib import Path
 
 import torch
 
-from selfattn import _validate, families
+from selfattn import _validate, families, lora
 from selfattn._validate import one_line
 from selfattn.config import GPTConfig
+from selfattn.io import carry
 from selfattn.io.formats import checkpoint, hf_folder
 from selfattn.io.formats.jsonfile import json_object as _json_object
 from selfattn.model import GPT
@@ -52,6 +53,7 @@ class Loaded:
     chat: ChatTemplate | None = None  # how a conversation is written for this model; None: it has no template
     no_tokenizer: str = "it reads byte-level and SentencePiece-style BPE tokenizer.json files"  # why None
     bos: int | None = None  # the beginning-of-sequence token the source declares (None: none)
+    family: str | None = None  # the model_type of the folder or GGUF file it came from (None: a run of ours, GPT-2)
 
     def require_tokenizer(self) -> ByteTokenizer | BPETokenizer:
         """The tokenizer; a ValueError naming the source when the model came without one."""
@@ -68,15 +70,20 @@ class Loaded:
         return self.chat
 
 
-def load(path: str | os.PathLike) -> Loaded:
+def load(path: str | os.PathLike, *, merge: bool = True) -> Loaded:
     """The model at ``path`` (see the module docstring for the kinds of path).
 
     Raises ``ValueError`` (a :class:`~selfattn.io.formats.checkpoint.CheckpointError` for a
     damaged file) naming the path when it holds no model this library can read, and naming the
     tensor when a weight is NaN or infinite (a damaged file, a NaN quantisation scale): checked
     once, here, so no command samples from or audits such a model.
+
+    A LoRA run (``selfattn train --init-from BASE --lora-rank R``) holds adapters only: its base is
+    loaded from the path its meta names and checked against the digest the adapters were trained on
+    (another model there is a ValueError naming both), and the adapters are merged into it; with
+    ``merge=False`` they are kept as adapters (:mod:`selfattn.lora`), for writing them apart.
     """
-    loaded = _read(Path(path))
+    loaded = _read(Path(path), merge)
     _check_finite(loaded.model, loaded.source)
     return loaded
 
@@ -90,7 +97,7 @@ def _check_finite(model: GPT, source: Path) -> None:
                              f"{tuple(tensor.shape)}; the file is damaged")
 
 
-def _read(path: Path) -> Loaded:
+def _read(path: Path, merge: bool = True) -> Loaded:
     """The model at ``path``, as read (:func:`load` checks it)."""
     if not path.exists():
         raise ValueError(f"{str(path)!r} does not exist (expected a run folder, a checkpoint file, a transformers "
@@ -114,20 +121,36 @@ def _read(path: Path) -> Loaded:
     if not (isinstance(meta, dict) and isinstance(meta.get("model"), dict) and isinstance(meta.get("tokenizer"), dict)):
         raise ValueError(f"{path}: its meta describes no model (no 'model' and 'tokenizer' entries)")
     tokenizer = from_spec(meta["tokenizer"])
-    model = GPT(GPTConfig(**_validate.config_fields(GPTConfig, meta["model"], str(path))))
+    config = GPTConfig(**_validate.config_fields(GPTConfig, meta["model"], str(path)))
     try:
-        model.load_state_dict(weights)
+        if "lora" in meta:
+            model = _adapted(config, meta["lora"], weights, path, merge)
+        else:
+            model = GPT(config)
+            model.load_state_dict(weights)
     except RuntimeError as e:
         raise ValueError(f"{path}: weights do not fit the configured model: {one_line(e)}") from None
     return _with_special(Loaded(model, tokenizer, _newline(tokenizer), path), meta.get("special"))
 
 
+def _adapted(config: GPTConfig, adapters: dict, weights: dict, path: Path, merge: bool) -> GPT:
+    """A LoRA run's model: its base (``adapters["base"]``: path and digest) carried into ``config``,
+    the adapters ``weights`` on it, merged into its weights when ``merge``."""
+    base = _read(Path(adapters["base"]["path"]))
+    lora.check_base(adapters["base"], lora.base_digest(base.model), str(path))
+    model = GPT.empty(config)
+    model.load_state_dict(carry.carried(base.model, model))
+    lora.add_lora(model, **adapters["settings"])
+    lora.load_adapter_state(model, weights)
+    return lora.merge(model) if merge else model
+
+
 def special_of(loaded: Loaded) -> dict:
     """What a fine-tuned run keeps of the model it started from, beside its tokenizer, JSON-ready:
-    the start token, bos, eos and chat template (read back by :func:`load`)."""
+    the start token, bos, eos, chat template and family (read back by :func:`load`)."""
     chat = loaded.chat
     return {"start": loaded.start_token, "bos": loaded.bos, "eos": list(loaded.eos),
-            "chat_template": chat and chat.source, "chat_tokens": chat.tokens if chat else {}}
+            "chat_template": chat and chat.source, "chat_tokens": chat.tokens if chat else {}, "family": loaded.family}
 
 
 def _with_special(loaded: Loaded, special: dict | None) -> Loaded:
@@ -137,10 +160,15 @@ def _with_special(loaded: Loaded, special: dict | None) -> Loaded:
     if not (isinstance(special, dict) and {"start", "bos", "eos", "chat_template", "chat_tokens"} <= set(special)):
         raise ValueError(f"{loaded.source}: its meta's 'special' entry is damaged (expected start, bos, eos, "
                          f"chat_template and chat_tokens)")
-    template, where = special["chat_template"], f"{loaded.source} (the chat template of the model it started from)"
-    chat = ChatTemplate(template, special["chat_tokens"], where) if template else None
     return dataclasses.replace(loaded, start_token=special["start"], bos=special["bos"], eos=tuple(special["eos"]),
-                               chat=chat)
+                               chat=chat_of(special, loaded.source), family=special.get("family"))
+
+
+def chat_of(special: dict, source) -> ChatTemplate | None:
+    """The chat template :func:`special_of` kept of the model a run started from (None: it had none)."""
+    template = special["chat_template"]
+    where = f"{source} (the chat template of the model it started from)"
+    return ChatTemplate(template, special["chat_tokens"], where) if template else None
 
 
 def is_transformers_folder(path: Path) -> bool:
@@ -180,7 +208,7 @@ def _load_family(path: Path) -> Loaded:
     tokenizer = hf_folder.tokenizer(path)
     bos, eos = hf_folder.special_ids(path, hf, model.config.vocab_size)
     start = bos if bos is not None else None if tokenizer is None else _newline(tokenizer)  # else from a newline
-    return Loaded(model, tokenizer, start, path, eos, hf_folder.chat_template(path), bos=bos)
+    return Loaded(model, tokenizer, start, path, eos, hf_folder.chat_template(path), bos=bos, family=hf["model_type"])
 
 
 def _load_gguf(path: Path) -> Loaded:
@@ -206,7 +234,8 @@ def _load_gguf(path: Path) -> Loaded:
         chat = ChatTemplate(meta.value("tokenizer.chat_template", str), names, f"{path} (tokenizer.chat_template)")
     start = special.get("bos", None if tokenizer is None else _newline(tokenizer))
     eos = tuple(dict.fromkeys(special[name] for name in ("eos", "eot") if name in special))
-    return Loaded(model, tokenizer, start, path, eos, chat, why or Loaded.no_tokenizer, bos=special.get("bos"))
+    return Loaded(model, tokenizer, start, path, eos, chat, why or Loaded.no_tokenizer, bos=special.get("bos"),
+                  family=file.config["model_type"])
 
 
 def _starts_gguf(path: Path) -> bool:

@@ -43,6 +43,7 @@ def save(run_dir: str | os.PathLike, step: int, model: nn.Module, optimizer: tor
 
     ``meta`` is any JSON-serialisable dict (configs, progress); it comes back from :func:`load`.
     ``model`` may be wrapped in DDP, FSDP2 or ``torch.compile``. Collective under distributed.
+    Frozen parameters are not written (LoRA: the base model's, which the meta names by path and digest).
     """
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
@@ -52,8 +53,8 @@ def save(run_dir: str | os.PathLike, step: int, model: nn.Module, optimizer: tor
     if rank() != 0:
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
-    aliases = tied_names(model)
-    tensors = {f"model/{k}": v for k, v in model_sd.items() if k not in aliases}
+    aliases, frozen = tied_names(model), frozen_names(model)
+    tensors = {f"model/{k}": v for k, v in model_sd.items() if k not in aliases and k not in frozen}
     scalars = {}
     for name, state in optim_sd["state"].items():
         for key, value in state.items():
@@ -87,7 +88,8 @@ def restore(path: str | os.PathLike, tensors: dict[str, torch.Tensor], header: d
     """:func:`load` of a checkpoint already :func:`read` from ``path`` (named in errors): its
     weights into ``model``, its state into ``optimizer`` when given; returns its ``meta``."""
     model_sd = weights_of(tensors, header)
-    expected = set(unwrap(model).state_dict())
+    frozen = frozen_names(model)
+    expected = set(unwrap(model).state_dict()) - frozen
     if set(model_sd) != expected:  # checked here: a full-state-dict load would silently keep missing keys
         missing, unexpected = sorted(expected - set(model_sd)), sorted(set(model_sd) - expected)
         raise CheckpointError(f"checkpoint {path} does not fit this model: missing {missing[:4]}, "
@@ -107,7 +109,7 @@ def restore(path: str | os.PathLike, tensors: dict[str, torch.Tensor], header: d
         optim_sd = {"state": state, "param_groups": header["param_groups"]}
     try:
         set_state_dict(model, optimizer if optimizer is not None else (), model_state_dict=model_sd,
-                       optim_state_dict=optim_sd, options=StateDictOptions(full_state_dict=True))
+                       optim_state_dict=optim_sd, options=StateDictOptions(full_state_dict=True, strict=not frozen))
     except (RuntimeError, KeyError, ValueError) as e:
         raise CheckpointError(f"checkpoint {path} does not fit this model/optimizer: {one_line(e)}") from None
     return header["meta"]
@@ -124,6 +126,11 @@ def tied_names(model: nn.Module) -> dict[str, str]:
         else:
             first[id(p)] = name
     return aliases
+
+
+def frozen_names(model: nn.Module) -> set[str]:
+    """The state-dict names of the parameters that do not train (every name of a tied one)."""
+    return {name for name, p in unwrap(model).named_parameters(remove_duplicate=False) if not p.requires_grad}
 
 
 def _write_atomic(path: Path, tensors: dict, header_json: str) -> None:

@@ -7,12 +7,21 @@
   in the run folder, opened memory-mapped; later calls reuse the cache.
 - ``batch(...)``: the rows of one training step, a pure function of (seed, step), so a
   resumed run and every rank of a distributed one read exactly the rows they should.
+- the cache itself (``read_cache``, ``write_cache``, ``open_arrays``): named arrays written atomically
+  beside a ``meta.json`` holding the recipe that built them; chat data (:mod:`selfattn.training.chat`)
+  keeps its rows in the same kind of cache.
+
+A corpus, text (:class:`Corpus`) or chat (:class:`selfattn.training.chat.ChatCorpus`), offers the
+training loop one interface: ``.batch(split, seed=, step=, batch_size=, part=, parts=)`` returning
+``(x, y, doc_ids or None)``, ``.n_train`` / ``.n_val`` tokens, ``.tokenizer``, ``.description``,
+``.fingerprint`` and ``.block_size``.
 """
 from __future__ import annotations
 
 import hashlib
 import importlib
 import json
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -71,6 +80,25 @@ class Corpus:
     tokenizer: ByteTokenizer | BPETokenizer
     description: str  # where the text came from, for people
     fingerprint: str  # SHA-256 of the text: a resumed run checks it still trains on the same corpus
+    block_size: int  # the tokens of a row :meth:`batch` returns
+
+    @property
+    def n_train(self) -> int:
+        return len(self.train)
+
+    @property
+    def n_val(self) -> int:
+        return len(self.val)
+
+    def batch(self, split: str, *, seed: int, step: int, batch_size: int, part: int = 0,
+              parts: int = 1) -> tuple[Tensor, Tensor, None]:
+        """:func:`batch` of split ``split`` (``"train"`` or ``"val"``, also the name of its random
+        stream) in rows of ``block_size``: ``(x, y, None)``, no doc ids (a window is one text)."""
+        if split not in ("train", "val"):
+            raise ValueError(f"split must be 'train' or 'val', got {split!r}")
+        x, y = batch(getattr(self, split), seed=seed, step=step, batch_size=batch_size, block_size=self.block_size,
+                     part=part, parts=parts, tag=split)
+        return x, y, None
 
 
 def prepare(cache_dir: str | os.PathLike, *, data: str | None, tokenizer: str | ByteTokenizer | BPETokenizer,
@@ -87,28 +115,37 @@ def prepare(cache_dir: str | os.PathLike, *, data: str | None, tokenizer: str | 
     if not 0.0 < val_fraction < 1.0:
         raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction!r}")
     text, description = read_corpus(data)
+    fingerprint = check_fingerprint(text, description, trained_on)
+    cache = Path(cache_dir)
+    name = tokenizer if given is None else "given " + spec_digest(given.spec())
+    recipe = {"fingerprint": fingerprint, "tokenizer": name,
+              "bpe_vocab": bpe_vocab if tokenizer == "bpe" else None, "val_fraction": val_fraction}
+    meta = read_cache(cache, recipe)
+    if meta is None:
+        tok = given or (ByteTokenizer() if tokenizer == "byte" else BPETokenizer.train(text, bpe_vocab))
+        ids = _token_ids(text, tok)
+        n_train = len(ids) - int(len(ids) * val_fraction)
+        _check_lengths(n_train, len(ids) - n_train, block_size)
+        meta = write_cache(cache, {"train": ids[:n_train], "val": ids[n_train:]},
+                           {"recipe": recipe, "tokenizer_spec": tok.spec()})
+    splits = open_arrays(cache, meta)
+    _check_lengths(len(splits["train"]), len(splits["val"]), block_size)
+    return Corpus(splits["train"], splits["val"], from_spec(meta["tokenizer_spec"]), description, fingerprint,
+                  block_size)
+
+
+def check_fingerprint(text: str, description: str, trained_on: str | None) -> str:
+    """The SHA-256 of ``text``; a ValueError when it is not ``trained_on`` (the corpus of a resumed run)."""
     fingerprint = hashlib.sha256(text.encode("utf-8")).hexdigest()
     if trained_on is not None and fingerprint != trained_on:
         raise ValueError(f"the corpus ({description}, SHA-256 {fingerprint[:12]}...) is not the one this run was "
                          f"trained on (SHA-256 {trained_on[:12]}...); nothing was written")
-    cache = Path(cache_dir)
-    name = tokenizer if given is None else \
-        "given " + hashlib.sha256(json.dumps(given.spec(), sort_keys=True).encode()).hexdigest()[:16]
-    recipe = {"fingerprint": fingerprint, "tokenizer": name,
-              "bpe_vocab": bpe_vocab if tokenizer == "bpe" else None, "val_fraction": val_fraction}
-    meta = _cached(cache, recipe)
-    if meta is None:
-        tok = given or (ByteTokenizer() if tokenizer == "byte" else BPETokenizer.train(text, bpe_vocab))
-        ids = _token_ids(text, tok)
-        n_val = int(len(ids) * val_fraction)
-        _check_lengths(len(ids) - n_val, n_val, block_size)
-        meta = _write_cache(cache, ids, n_val, tok, recipe)
-    _check_lengths(meta["n_train"], meta["n_val"], block_size)
-    tok = from_spec(meta["tokenizer_spec"])
-    dtype = getattr(torch, meta["dtype"])
-    splits = {name: torch.from_file(str(cache / f"{name}.bin"), shared=False, size=meta[f"n_{name}"], dtype=dtype)
-              for name in ("train", "val")}
-    return Corpus(splits["train"], splits["val"], tok, description, fingerprint)
+    return fingerprint
+
+
+def spec_digest(spec) -> str:
+    """16 hex digits naming a JSON-ready value (a tokenizer's ``spec()``) in a cache's recipe."""
+    return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def batch(split: Tensor, *, seed: int, step: int, batch_size: int, block_size: int, part: int = 0,
@@ -120,13 +157,24 @@ def batch(split: Tensor, *, seed: int, step: int, batch_size: int, block_size: i
     read, and the ranks (and micro-steps) of a distributed run read disjoint slices of the very
     batch a single process would, each touching only its own rows of the memory map.
     """
+    mine = part_of(batch_size, part, parts)
+    g = torch.Generator().manual_seed(stream_seed(seed, tag, step))
+    starts = torch.randint(0, len(split) - block_size, (batch_size,), generator=g)[mine]
+    chunk = torch.stack([split[s:s + block_size + 1] for s in starts.tolist()]).long()  # (rows, block_size + 1)
+    return chunk[:, :-1], chunk[:, 1:]
+
+
+def part_of(batch_size: int, part: int, parts: int) -> slice:
+    """The rows of part ``part`` of ``parts`` equal slices of a batch of ``batch_size`` rows."""
     if batch_size % parts or not 0 <= part < parts:
         raise ValueError(f"cannot take part {part} of {parts} equal parts of a batch of {batch_size}")
     rows = batch_size // parts
-    g = torch.Generator().manual_seed(stream_seed(seed, tag, step))
-    starts = torch.randint(0, len(split) - block_size, (batch_size,), generator=g)[part * rows:(part + 1) * rows]
-    chunk = torch.stack([split[s:s + block_size + 1] for s in starts.tolist()]).long()  # (rows, block_size + 1)
-    return chunk[:, :-1], chunk[:, 1:]
+    return slice(part * rows, (part + 1) * rows)
+
+
+def id_dtype(vocab_size: int) -> torch.dtype:
+    """The smallest dtype the cache stores ids below ``vocab_size`` in: uint8, uint16, else int32."""
+    return torch.uint8 if vocab_size <= 256 else torch.uint16 if vocab_size <= 65536 else torch.int32
 
 
 def _read_text(path: Path) -> str:
@@ -149,32 +197,45 @@ def _check_lengths(n_train: int, n_val: int, block_size: int) -> None:
 
 
 def _token_ids(text: str, tok: ByteTokenizer | BPETokenizer) -> Tensor:
-    """The ids of ``text`` in the smallest dtype that holds the vocabulary: uint8, uint16, else int32."""
+    """The ids of ``text`` in the smallest dtype that holds the vocabulary (:func:`id_dtype`)."""
     if isinstance(tok, ByteTokenizer):
         return torch.frombuffer(bytearray(text.encode("utf-8")), dtype=torch.uint8)
-    dtype = torch.uint16 if tok.vocab_size <= 65536 else torch.int32
-    return torch.tensor(tok.encode(text), dtype=torch.int32).to(dtype)
+    return torch.tensor(tok.encode(text), dtype=torch.int32).to(id_dtype(tok.vocab_size))
 
 
-def _cached(cache: Path, recipe: dict) -> dict | None:
-    """The cache's ``meta.json`` when ``recipe`` built it and both splits are whole; else None
-    (missing, another recipe, unreadable, or a split cut short: it is rebuilt)."""
+def read_cache(cache: Path, recipe: dict) -> dict | None:
+    """The cache's ``meta.json`` when ``recipe`` built it and every array it lists is whole; else None
+    (missing, another recipe, unreadable, or an array cut short: it is rebuilt)."""
     try:
         meta = json.loads((cache / "meta.json").read_text())
-        itemsize = getattr(torch, meta["dtype"]).itemsize
-        whole = all((cache / f"{name}.bin").stat().st_size == meta[f"n_{name}"] * itemsize for name in ("train", "val"))
+        whole = all((cache / f"{name}.bin").stat().st_size == _nbytes(a) for name, a in meta["arrays"].items())
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
     return meta if whole and meta.get("recipe") == recipe else None
 
 
-def _write_cache(cache: Path, ids: Tensor, n_val: int, tok: ByteTokenizer | BPETokenizer, recipe: dict) -> dict:
+def write_cache(cache: Path, arrays: dict[str, Tensor], meta: dict) -> dict:
+    """Write each array of ``arrays`` to ``<name>.bin`` (its raw values, atomically), then
+    ``meta.json``: ``meta`` (with the ``"recipe"`` :func:`read_cache` compares) plus each array's
+    dtype and shape under ``"arrays"``. Returns what ``meta.json`` holds."""
     cache.mkdir(parents=True, exist_ok=True)
-    (cache / "meta.json").unlink(missing_ok=True)  # first: splits half rewritten are never taken for the old cache
-    meta = {"recipe": recipe, "tokenizer_spec": tok.spec(), "dtype": str(ids.dtype).removeprefix("torch."),
-            "n_train": len(ids) - n_val, "n_val": n_val}
-    for name, part in (("train", ids[:len(ids) - n_val]), ("val", ids[len(ids) - n_val:])):
+    (cache / "meta.json").unlink(missing_ok=True)  # first: arrays half rewritten are never taken for the old cache
+    meta = {**meta, "arrays": {name: {"dtype": str(a.dtype).removeprefix("torch."), "shape": list(a.shape)}
+                               for name, a in arrays.items()}}
+    for name, a in arrays.items():  # write(), not a memory map: a full disk is an error, not a SIGBUS
         with _files.atomic_path(cache / f"{name}.bin") as tmp, open(tmp, "wb") as f:
-            f.write(memoryview(part.numpy()))  # write(), not a memory map: a full disk is an error, not a SIGBUS
+            f.write(memoryview(a.contiguous().flatten().numpy()))
     _files.write_text(cache / "meta.json", json.dumps(meta))  # written last: a cache without meta.json is rebuilt
     return meta
+
+
+def open_arrays(cache: Path, meta: dict) -> dict[str, Tensor]:
+    """Every array ``meta`` (from :func:`read_cache` or :func:`write_cache`) lists, memory-mapped, in its shape."""
+    return {name: torch.from_file(str(cache / f"{name}.bin"), shared=False, size=math.prod(a["shape"]),
+                                  dtype=getattr(torch, a["dtype"])).view(a["shape"])
+            for name, a in meta["arrays"].items()}
+
+
+def _nbytes(array: dict) -> int:
+    """The bytes of an array as ``meta.json`` lists it (``{"dtype", "shape"}``)."""
+    return math.prod(array["shape"]) * getattr(torch, array["dtype"]).itemsize

@@ -1,4 +1,6 @@
-"""A model's loss and perplexity on a text, over sliding windows as transformers' guide computes it.
+"""A model's loss and perplexity: on a text, over sliding windows as transformers' guide computes it
+(:func:`perplexity`); on sequences with their own targets, such as chat data's assistant tokens
+(:func:`masked_perplexity`).
 
 A model reads at most ``block_size`` tokens at once, so a longer text is read in windows of
 ``window`` tokens, one starting every ``stride`` tokens
@@ -9,8 +11,13 @@ have little context and its very first token is not predicted; a smaller stride 
 predicted token at least ``window - stride`` tokens of context, for about ``window / stride``
 times the forwards. The text's first token is never predicted.
 
-The loss is the negative log-likelihood summed over every predicted token and divided by their
-number (not a mean of the windows' means), in nats per token; the perplexity is its exponential.
+Sequences with targets (:func:`masked_perplexity`) are read one forward each, whole: position t
+predicts ``targets[t]`` unless it is -100 (chat data: the assistant's tokens,
+:meth:`selfattn.training.chat.Encoded.targets`).
+
+Either way the loss is the negative log-likelihood summed over every predicted token and divided by
+their number (not a mean of the windows' or sequences' means), in nats per token; the perplexity is
+its exponential.
 """
 from __future__ import annotations
 
@@ -36,6 +43,15 @@ class Evaluation:
     windows: int  # the windows read, one forward each
     window: int  # tokens a window holds at most
     stride: int  # tokens from one window's start to the next
+
+
+@dataclass(frozen=True)
+class MaskedEvaluation:
+    """What :func:`masked_perplexity` measured."""
+    loss: float  # mean negative log-likelihood, nats per predicted token
+    perplexity: float  # exp(loss)
+    tokens: int  # the tokens predicted (targets other than -100)
+    sequences: int  # the sequences read, one forward each
 
 
 def perplexity(model: GPT, ids: Sequence[int] | Tensor, *, window: int | None = None,
@@ -84,3 +100,30 @@ def perplexity(model: GPT, ids: Sequence[int] | Tensor, *, window: int | None = 
     loss = nll / tokens
     return Evaluation(loss=loss, perplexity=math.exp(loss), tokens=tokens,
                       windows=windows, window=window, stride=stride)
+
+
+def masked_perplexity(model: GPT, sequences: Sequence[tuple[Sequence[int], Sequence[int]]]) -> MaskedEvaluation:
+    """Loss and perplexity of ``model`` over the targets of ``sequences``, pairs ``(ids, targets)`` of
+    equally long lists (or 1-D tensors) of at most ``block_size`` tokens, ``targets[t]`` the token
+    position t predicts or -100 (none); each sequence is one forward. Raises ``ValueError`` when no
+    sequence has a target. Runs as :func:`perplexity` does (inference mode, eval mode, the model's
+    device, its mode given back)."""
+    device = next(model.parameters()).device
+    nll, tokens = 0.0, 0
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.inference_mode():
+            for ids, targets in sequences:
+                x = torch.as_tensor(ids, dtype=torch.long, device=device)[None]  # (1, T)
+                y = torch.as_tensor(targets, dtype=torch.long, device=device)[None]  # (1, T)
+                n = int((y != IGNORE).sum())
+                if n:
+                    nll += model(x, y)[1].item() * n  # the mean over the n targets, times n
+                    tokens += n
+    finally:
+        model.train(was_training)
+    if not tokens:
+        raise ValueError(f"none of the {len(sequences)} sequence(s) has a target (all -100): nothing to measure")
+    loss = nll / tokens
+    return MaskedEvaluation(loss=loss, perplexity=math.exp(loss), tokens=tokens, sequences=len(sequences))

@@ -6,13 +6,54 @@ one that would do nothing (a window that never binds), is refused naming the fla
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
+from selfattn import lora
 from selfattn.config import GPTConfig
 from selfattn.io import carry
-from selfattn.io.loading import Loaded, load
+from selfattn.io.loading import Loaded, chat_of, load, special_of
 from selfattn.model import GPT
+from selfattn.tokenizers import BPETokenizer, ByteTokenizer, from_spec
+from selfattn.tokenizers.chat import ChatTemplate
+
+
+@dataclass
+class Start:
+    """What a fine-tuning run starts from."""
+    model: GPT  # the source's weights in the run's config; for LoRA, with adapters (the base frozen)
+    tokenizer: ByteTokenizer | BPETokenizer  # the source's own
+    chat: ChatTemplate | None  # the source's chat template (None: it has none)
+    meta: dict  # what every checkpoint keeps of the source: "special" (its special tokens), "lora" (settings, base)
+
+
+def begin(init_from: str, config: GPTConfig, adapters: dict | None, saved: dict | None) -> Start:
+    """The model a run fine-tunes: the source ``init_from`` carried into ``config``, and for LoRA
+    (``adapters``: :func:`selfattn.lora.add_lora`'s rank, alpha, dropout, mlp) adapters on it, drawn
+    from the torch RNG. ``saved``: the meta of the checkpoint a run resumes from (None: a new run); a
+    full fine-tune then takes every weight from the checkpoint and needs no source, a LoRA run loads
+    its base again and refuses one whose digest is not the one its adapters were trained on."""
+    if saved is not None and adapters is None:
+        special = saved.get("special")
+        return Start(GPT(config), from_spec(saved["tokenizer"]), special and chat_of(special, init_from),
+                     {"special": special})
+    path = init_from if saved is None else saved["lora"]["base"]["path"]
+    loaded = source(path)
+    model = start_from(loaded, config, path)
+    meta = {"special": special_of(loaded)}
+    if adapters is not None:
+        base = {"path": str(Path(loaded.source).absolute()), "digest": lora.base_digest(loaded.model)}
+        if saved is not None:
+            lora.check_base(saved["lora"]["base"], base["digest"], "the run resumed")
+        try:
+            lora.add_lora(model, family=loaded.family, **adapters)
+        except ValueError as e:
+            raise ValueError(f"--lora-rank: {e}") from None
+        meta["lora"] = {"settings": lora.lora_settings(model), "base": base}
+    tokenizer = loaded.tokenizer if saved is None else from_spec(saved["tokenizer"])
+    return Start(model, tokenizer, loaded.chat, meta)
 
 
 def source(path: str) -> Loaded:

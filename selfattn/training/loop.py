@@ -24,6 +24,7 @@ and read by all).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -41,10 +42,9 @@ from selfattn._seeds import stream_seed
 from selfattn.config import GPTConfig
 from selfattn.distributed import SequenceShard
 from selfattn.families import writing
-from selfattn.io.loading import special_of
+from selfattn.loss import IGNORE
 from selfattn.model import GPT
-from selfattn.tokenizers import from_spec
-from selfattn.training import checkpoint, data, finetune, lock, parallel
+from selfattn.training import chat, checkpoint, data, finetune, lock, parallel
 
 
 @dataclass
@@ -74,6 +74,13 @@ class TrainConfig:
     seed: int = described(0, 'seeds the initial weights, the batches and the dropout masks')
     device: str = described("auto", '"auto" (CUDA if available, else CPU) or a torch device: "cpu", "cuda", "mps"')
     bf16: bool = described(False, 'bfloat16 autocast for forward and backward; weights and AdamW state stay float32')
+    lora_rank: int | None = described(None, "with --init-from: train LoRA adapters of this rank on the attention "
+                                            "projections, every weight of the model frozen; none = train all weights")
+    lora_alpha: float | None = described(None, "LoRA's scale is alpha / rank; none = 2 * rank")
+    lora_dropout: float = described(0.0, "dropout on the LoRA adapters' input")
+    lora_mlp: bool = described(False, "LoRA adapters on the MLP's projections too")
+    pack: bool = described(False, "chat data: pack conversations into rows as separate documents (positions "
+                                  "restart, no attention across them) instead of one padded row each")
     compile: bool = described(False, 'torch.compile the model')
     checkpoint_activations: bool = described(False, "recompute each block's activations in the backward instead of "
                                                     "keeping them: less memory for one more forward of the blocks")
@@ -90,6 +97,12 @@ class TrainConfig:
         _validate.count("warmup_steps", self.warmup_steps)
         if self.seq_len is not None:
             _validate.positive_int("seq_len", self.seq_len)
+        if self.pack and self.context_parallel > 1:
+            raise ValueError("pack and context_parallel: packed documents are not split over ranks")
+        if self.init_from is None and (self.lora_rank is not None or self.lora_mlp):
+            raise ValueError("LoRA adapts a loaded model: give --init-from with --lora-rank")
+        if self.lora_rank is None and (self.lora_alpha is not None or self.lora_mlp or self.lora_dropout):
+            raise ValueError("lora_alpha, lora_dropout and lora_mlp set LoRA's adapters: give --lora-rank too")
         if self.tokenizer not in ("byte", "bpe"):
             raise ValueError(f"tokenizer must be 'byte' or 'bpe', got {self.tokenizer!r}")
         if self.init_from is not None and (not isinstance(self.init_from, str) or not self.init_from):
@@ -123,6 +136,9 @@ _DATA_FIELDS_KEPT_ON_RESUME = {  # TrainConfig field -> why a resumed run keeps 
     "bpe_vocab": "the model's vocabulary and the token cache come from it",
     "val_fraction": "another split would move trained tokens into validation",
     "init_from": "the run's tokenizer, and so its tokens, came from it",
+    "lora_rank": "the run's trained weights are adapters of this rank (or the whole model)",
+    "lora_alpha": "the adapters were trained at this scale",
+    "lora_mlp": "the run's adapters sit where they were put",
 }
 
 
@@ -216,8 +232,8 @@ def _check_resume_flags(ckpt: Path, meta: dict, model_flags: dict, train_flags: 
     changed = [(key, value, meta["model"][key], "a resumed run keeps its model shape")
                for key, value in model_flags.items()
                if key not in _MODEL_FIELDS_CHANGEABLE_ON_RESUME and value != meta["model"][key]]
-    changed += [(key, train_flags[key], meta["train"][key], why) for key, why in _DATA_FIELDS_KEPT_ON_RESUME.items()
-                if key in train_flags and train_flags[key] != meta["train"][key]]
+    changed += [(key, train_flags[key], meta["train"].get(key), why) for key, why in _DATA_FIELDS_KEPT_ON_RESUME.items()
+                if key in train_flags and train_flags[key] != meta["train"].get(key)]
     if changed:
         key, value, saved, why = changed[0]
         raise ValueError(f"--resume: {key}={value!r} differs from the checkpoint's {key}={saved!r}; {why}")
@@ -282,21 +298,16 @@ def _train(model_cfg: GPTConfig, cfg: TrainConfig, out: Path, resume_from: Path 
         checkpoint.remove_temporaries(out)
     saved = checkpoint.read(resume_from) if resume_from is not None else None  # (tensors, header), verified
     trained_on = saved[1]["meta"]["data"]["fingerprint"] if saved else None
-    source = tokenizer = special = None  # fine-tuning: the model started from, its tokenizer, special tokens
-    if cfg.init_from is not None and saved is None:
-        source = finetune.source(cfg.init_from)
-        tokenizer, special = source.tokenizer, special_of(source)
-    elif cfg.init_from is not None:  # the run's, which came from the model
-        tokenizer, special = from_spec(saved[1]["meta"]["tokenizer"]), saved[1]["meta"].get("special")
-    corpus = _prepare_data(out, cfg, seq_len, rank, trained_on, tokenizer)
-    if tokenizer is None:
+    torch.manual_seed(cfg.seed)  # the same initial weights (and adapters) on every rank
+    start_from = None if cfg.init_from is None else finetune.begin(
+        cfg.init_from, model_cfg, _adapters(cfg), saved and saved[1]["meta"])
+    corpus = _prepare_data(out, cfg, seq_len, rank, trained_on, start_from)
+    if start_from is None:
         model_cfg = dataclasses.replace(model_cfg, vocab_size=corpus.tokenizer.vocab_size)
-    torch.manual_seed(cfg.seed)  # the same initial weights on every rank
-    raw = GPT(model_cfg) if source is None else finetune.start_from(source, model_cfg, cfg.init_from)
-    raw = raw.to(device)
+    raw = (GPT(model_cfg) if start_from is None else start_from.model).to(device)
     raw.checkpointing = cfg.checkpoint_activations
     run = _Run(parallel.wrap(raw, compile=cfg.compile, fsdp=cfg.fsdp, world=world, device=device),
-               corpus, cfg, model_cfg, rank, world, device, _Rows(shard, dp_rank, dp_world))
+               corpus, cfg, rank, world, device, _Rows(shard, dp_rank, dp_world))
     start, records = 0, []
     if saved is not None:
         start = checkpoint.restore(resume_from, *saved, run.model, run.optimizer)["step"]
@@ -305,15 +316,15 @@ def _train(model_cfg: GPTConfig, cfg: TrainConfig, out: Path, resume_from: Path 
     log = _Log(out, records, rank)
     if rank == 0:
         log.write_config(model_cfg, cfg, corpus.tokenizer)
-    report("start", {"params": raw.num_params(), "data": corpus.description, "train_tokens": len(corpus.train),
-                     "val_tokens": len(corpus.val), "world": world, "context_parallel": cfg.context_parallel,
+    report("start", {"params": raw.num_params(), "data": corpus.description, "train_tokens": corpus.n_train,
+                     "val_tokens": corpus.n_val, "world": world, "context_parallel": cfg.context_parallel,
                      "device": str(device), "out": str(out),
                      "start": start, "max_steps": cfg.max_steps})
     meta = {"model": dataclasses.asdict(model_cfg), "train": dataclasses.asdict(cfg),
             "tokenizer": corpus.tokenizer.spec(),
             "data": {"fingerprint": corpus.fingerprint, "description": corpus.description}}
-    if special is not None:
-        meta["special"] = special
+    if start_from is not None:
+        meta |= start_from.meta
     if start >= cfg.max_steps:
         return TrainResult(out, start, 0, log.last("val_loss"), None, checkpoint.latest(out))
     if start == 0:
@@ -345,6 +356,13 @@ def _train(model_cfg: GPTConfig, cfg: TrainConfig, out: Path, resume_from: Path 
     return TrainResult(out, cfg.max_steps, cfg.max_steps - start, log.last("val_loss"), rate, checkpoint.latest(out))
 
 
+def _adapters(cfg: TrainConfig) -> dict | None:
+    """LoRA's settings (:func:`selfattn.lora.add_lora`'s keywords), or None for a full fine-tune."""
+    if cfg.lora_rank is None:
+        return None
+    return dict(rank=cfg.lora_rank, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout, mlp=cfg.lora_mlp)
+
+
 def _check_context_parallel(model_cfg: GPTConfig, n: int) -> None:
     """Ring attention serves causal attention with a window; refuse the rest before any work."""
     if n == 1:
@@ -371,9 +389,9 @@ class _Rows:
 class _Run:
     """The model (wrapped), its optimizer and data, as one rank sees them: one step, one evaluation."""
 
-    def __init__(self, model: nn.Module, corpus: data.Corpus, cfg: TrainConfig, model_cfg: GPTConfig,
-                 rank: int, world: int, device: torch.device, rows: _Rows):
-        self.model, self.corpus, self.cfg, self.block = model, corpus, cfg, cfg.seq_len or model_cfg.block_size
+    def __init__(self, model: nn.Module, corpus: data.Corpus | chat.ChatCorpus, cfg: TrainConfig, rank: int,
+                 world: int, device: torch.device, rows: _Rows):
+        self.model, self.corpus, self.cfg = model, corpus, cfg
         self.rank, self.world, self.device, self.rows = rank, world, device, rows
         self.optimizer = _optimizer(model, cfg)
         self.autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.bf16)
@@ -385,17 +403,19 @@ class _Run:
         for group in self.optimizer.param_groups:
             group["lr"] = lr_at(step, cfg)
         torch.manual_seed(stream_seed(cfg.seed, "dropout", self.rank, step))
+        rows = self.rows
+        micros = [self.corpus.batch("train", seed=cfg.seed, step=step, batch_size=cfg.batch_size,
+                                    part=micro * rows.parts + rows.part, parts=rows.parts * cfg.grad_accum)
+                  for micro in range(cfg.grad_accum)]  # (x, y, doc_ids) each
+        counts = [int((y != IGNORE).sum()) for _, y, _ in micros]  # targets of each micro-batch
+        share = parallel.mean_over_ranks(torch.tensor(float(sum(counts)), device=self.device), world).item()
         loss_sum = torch.zeros((), device=self.device)
-        for micro in range(cfg.grad_accum):
-            rows = self.rows
-            x, y = data.batch(self.corpus.train, seed=cfg.seed, step=step, batch_size=cfg.batch_size,
-                              block_size=self.block, part=micro * rows.parts + rows.part,
-                              parts=rows.parts * cfg.grad_accum)
+        for micro, (x, y, doc_ids) in enumerate(micros):  # every target weighs the same in the step's gradient
             with parallel.grad_sync(self.model, micro == cfg.grad_accum - 1), self.autocast:
-                _, loss = self._forward(x, y)
-            (loss / cfg.grad_accum).backward()
-            loss_sum += loss.detach()
-        loss = parallel.mean_over_ranks(loss_sum / cfg.grad_accum, world).item()
+                _, loss = self._forward(x, y, doc_ids)
+            (loss / (share / counts[micro])).backward()  # text: share / count = grad_accum, exactly
+            loss_sum += loss.detach() * (counts[micro] / share)
+        loss = parallel.mean_over_ranks(loss_sum, world).item()
         norm = parallel.clip_grad_norm(self.model, cfg.grad_clip)
         if math.isfinite(loss) and math.isfinite(norm):
             self.optimizer.step()
@@ -409,17 +429,19 @@ class _Run:
         rows = self.cfg.batch_size // self.cfg.grad_accum
         total = torch.zeros((), device=self.device)
         for i in range(self.cfg.eval_batches):
-            x, y = data.batch(self.corpus.val, seed=self.cfg.seed, step=i, batch_size=rows, block_size=self.block,
-                              part=self.rows.part, parts=self.rows.parts, tag="val")
+            x, y, doc_ids = self.corpus.batch("val", seed=self.cfg.seed, step=i, batch_size=rows,
+                                              part=self.rows.part, parts=self.rows.parts)
             with self.autocast:
-                total += self._forward(x, y)[1].float()
+                total += self._forward(x, y, doc_ids)[1].float()
         self.model.train()
         return parallel.mean_over_ranks(total / self.cfg.eval_batches, self.world).item()
 
-    def _forward(self, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
-        """The model on this rank's part of rows x, targets y: every rank holds as many positions,
-        so the mean of the ranks' losses is the loss of the whole batch."""
+    def _forward(self, x: Tensor, y: Tensor, doc_ids: Tensor | None) -> tuple[None, Tensor]:
+        """The model on this rank's part of rows x, targets y (packed documents: doc_ids): every
+        rank holds as many positions, so the mean of the ranks' losses is the loss of the whole batch."""
         x, y = self.rows.split(x).to(self.device), self.rows.split(y).to(self.device)
+        if doc_ids is not None:
+            return self.model(x, y, doc_ids=doc_ids.to(self.device))
         return self.model(x, y) if self.rows.shard is None else self.model(x, y, shard=self.rows.shard)
 
 
@@ -432,19 +454,33 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 
 
 def _prepare_data(out: Path, cfg: TrainConfig, block_size: int, rank: int, trained_on: str | None,
-                  tokenizer=None) -> data.Corpus:
-    """Rank 0 tokenizes (or finds the cache) first; then the first rank of every other machine
-    (a cache hit on a shared disk, else built on its own); then everyone opens the cache. ``tokenizer``:
-    the model's own when fine-tuning, else ``cfg.tokenizer``'s."""
-    kwargs = dict(data=cfg.data, tokenizer=tokenizer or cfg.tokenizer, bpe_vocab=cfg.bpe_vocab,
-                  val_fraction=cfg.val_fraction, block_size=block_size, trained_on=trained_on)
+                  start_from: finetune.Start | None) -> data.Corpus | chat.ChatCorpus:
+    """The run's corpus in rows of ``block_size``: text (the tokenizer ``cfg.tokenizer`` names, or
+    the model's own when fine-tuning) or, for a ``.jsonl`` file, the conversations of chat data,
+    written with the model's chat template (:mod:`selfattn.training.chat`). Rank 0 tokenizes (or
+    finds the cache) first; then the first rank of every other machine (a cache hit on a shared
+    disk, else built on its own); then everyone opens the cache."""
+    if chat.is_chat_data(cfg.data):
+        if start_from is None or start_from.chat is None:
+            raise ValueError(f"--data {cfg.data}: chat data (.jsonl) is written with a model's chat template: "
+                             + ("give --init-from a chat model" if start_from is None else
+                                f"--init-from {cfg.init_from} has none"))
+        prepare = functools.partial(chat.prepare_chat, data=cfg.data, tokenizer=start_from.tokenizer,
+                                    template=start_from.chat, pack=cfg.pack)
+    elif cfg.pack:
+        raise ValueError("--pack packs the conversations of chat data (a .jsonl file) as separate documents; "
+                         "text is read in windows")
+    else:
+        prepare = functools.partial(data.prepare, data=cfg.data, bpe_vocab=cfg.bpe_vocab,
+                                    tokenizer=start_from.tokenizer if start_from else cfg.tokenizer)
+    kwargs = dict(val_fraction=cfg.val_fraction, block_size=block_size, trained_on=trained_on)
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     corpus = None
     for turn in (rank == 0, rank != 0 and local_rank == 0):
         if turn:
-            corpus = data.prepare(out / "tokens", **kwargs)
+            corpus = prepare(out / "tokens", **kwargs)
         parallel.barrier()
-    return corpus or data.prepare(out / "tokens", **kwargs)
+    return corpus or prepare(out / "tokens", **kwargs)
 
 
 def _optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:

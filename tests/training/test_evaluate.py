@@ -1,6 +1,8 @@
 """Perplexity over sliding windows (selfattn.training.evaluate, `selfattn eval`): the number transformers'
 perplexity guide computes on the same ids, for disjoint, overlapping and short windows; the
-command prints it; bad input is one line before the model loads."""
+command prints it; bad input is one line before the model loads. On chat data: the loss over the
+assistant's tokens only, checked on SmolLM2 against the model's own logits."""
+import json
 import math
 import os
 
@@ -8,6 +10,7 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 import transformers  # noqa: E402  (the [hf] extra, part of [dev])
 
 from selfattn.cli import eval as eval_cli  # noqa: E402
@@ -15,10 +18,12 @@ from selfattn.cli import main  # noqa: E402
 from selfattn.config import GPTConfig  # noqa: E402
 from selfattn.io import loading  # noqa: E402
 from selfattn.io.hf import to_hf  # noqa: E402
-from selfattn.training.evaluate import perplexity  # noqa: E402
+from selfattn.training import chat  # noqa: E402
+from selfattn.training.evaluate import IGNORE, masked_perplexity, perplexity  # noqa: E402
 
 from helpers.models import scrambled  # noqa: E402
 from helpers.perplexity import guide_perplexity  # noqa: E402
+from helpers.smollm2 import smollm2  # noqa: E402
 
 transformers.logging.set_verbosity_error()
 BLOCK = 32
@@ -161,3 +166,90 @@ def test_a_stride_past_the_default_window_is_refused_naming_block_size(run, caps
     assert main(["eval", "--ckpt", str(ckpt), "--data", str(text), "--stride", "17"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--stride 17 is larger than the model's block_size 16" in err, err
+
+
+# --- sequences with their own targets: chat data ------------------------------------------------
+
+def test_masked_perplexity_is_the_mean_loss_over_the_targets(gpt2):
+    ours, _ = gpt2
+    g = torch.Generator().manual_seed(1)
+    sequences = []
+    for n in (5, 32, 17):
+        ids = torch.randint(0, 61, (n,), generator=g)
+        targets = torch.where(torch.rand(n, generator=g) < 0.5, torch.roll(ids, -1), IGNORE)  # (n,)
+        targets[-1] = IGNORE
+        sequences.append((ids.tolist(), targets.tolist()))
+    got = masked_perplexity(ours, sequences)
+    with torch.no_grad():
+        ours.eval()
+        nll = [F.cross_entropy(ours(torch.tensor([ids]))[0][0], torch.tensor(targets), reduction="sum")
+               for ids, targets in sequences]
+        ours.train()
+    tokens = sum(sum(t != IGNORE for t in targets) for _, targets in sequences)
+    assert (got.tokens, got.sequences) == (tokens, 3) and ours.training
+    assert got.loss == pytest.approx(sum(nll).item() / tokens, rel=1e-6)
+    assert got.perplexity == pytest.approx(math.exp(got.loss), rel=1e-12)
+    with pytest.raises(ValueError, match=r"none of the 1 sequence\(s\) has a target"):
+        masked_perplexity(ours, [([1, 2, 3], [IGNORE] * 3)])
+
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "What is the capital of France?"},
+     {"role": "assistant", "content": "The capital of France is Paris."}],
+    [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say hi."},
+     {"role": "assistant", "content": "Hi."}, {"role": "user", "content": "Count to three."},
+     {"role": "assistant", "content": "One, two, three."}],
+]
+
+
+def test_the_command_on_a_chat_file_measures_the_assistants_tokens_only(tmp_path, capsys):
+    """On SmolLM2: the printed perplexity is the one computed here from the model's logits and
+    cross-entropy on the assistant's tokens; the loss over every token (negative control) differs."""
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps({"messages": m}) + "\n" for m in CONVERSATIONS), encoding="utf-8")
+    capsys.readouterr()
+    assert main(["eval", "--ckpt", str(smollm2()), "--data", str(data), "--device", "cpu"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    print("\n".join(lines))
+    loaded = loading.load(smollm2())
+    nll, tokens, nll_all, tokens_all = 0.0, 0, 0.0, 0
+    with torch.no_grad():
+        for messages in CONVERSATIONS:
+            ids, mask = chat.encode(messages, loaded.tokenizer, loaded.chat)
+            logits = loaded.model.eval()(torch.tensor([ids]))[0][0, :-1]  # (T - 1, V): each predicts the next
+            losses = F.cross_entropy(logits, torch.tensor(ids[1:]), reduction="none")  # (T - 1,)
+            assistant = torch.tensor(mask[1:])  # (T - 1,) the next token is the assistant's
+            nll, tokens = nll + losses[assistant].sum().item(), tokens + int(assistant.sum())
+            nll_all, tokens_all = nll_all + losses.sum().item(), tokens_all + len(losses)
+    expected, everything = math.exp(nll / tokens), math.exp(nll_all / tokens_all)
+    got = float(lines[-1].removeprefix("perplexity "))
+    print(f"perplexity printed {got}, reference {expected:.6f}, over every token {everything:.6f}")
+    assert lines[-1].startswith("perplexity ") and got == pytest.approx(expected, rel=2e-5)
+    assert "2 conversations" in lines[1] and f"{tokens:,} assistant tokens predicted" in lines[1]
+    assert got != pytest.approx(everything, rel=1e-2)  # negative control: the prompts are not counted
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--window", "8"], "--window and --stride read a text in windows; the chat file '{chat}' is read one whole "
+                        "conversation a forward"),
+    (["--stride", "8"], "--window and --stride read a text in windows"),
+    ([], "{chat} line 2: not JSON"),
+])
+def test_bad_chat_input_is_one_line_before_the_model_loads(run, tmp_path, capsys, monkeypatch, flags, message):
+    ckpt, _ = run
+    data = tmp_path / "chat.jsonl"
+    data.write_text(json.dumps({"messages": CONVERSATIONS[0]}) + "\n" + ("{" if not flags else "") + "\n")
+    monkeypatch.setattr(eval_cli, "load", lambda path: pytest.fail("the model was loaded"))
+    capsys.readouterr()
+    assert main(["eval", "--ckpt", str(ckpt), "--data", str(data), *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("selfattn eval: error: ") and message.format(chat=data) in err, err
+
+
+def test_a_model_without_a_chat_template_is_refused_on_chat_data(run, tmp_path, capsys):
+    ckpt, _ = run
+    data = tmp_path / "chat.jsonl"
+    data.write_text(json.dumps({"messages": CONVERSATIONS[0]}) + "\n")
+    assert main(["eval", "--ckpt", str(ckpt), "--data", str(data)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "has no chat template" in err, err
