@@ -54,6 +54,7 @@ class Loaded:
     no_tokenizer: str = "it reads byte-level and SentencePiece-style BPE tokenizer.json files"  # why None
     bos: int | None = None  # the beginning-of-sequence token the source declares (None: none)
     family: str | None = None  # the model_type of the folder or GGUF file it came from (None: a run of ours, GPT-2)
+    base: Path | None = None  # a LoRA run's base model, which its adapters were trained on (None: not a LoRA run)
 
     def require_tokenizer(self) -> ByteTokenizer | BPETokenizer:
         """The tokenizer; a ValueError naming the source when the model came without one."""
@@ -130,7 +131,8 @@ def _read(path: Path, merge: bool = True) -> Loaded:
             model.load_state_dict(weights)
     except RuntimeError as e:
         raise ValueError(f"{path}: weights do not fit the configured model: {one_line(e)}") from None
-    return _with_special(Loaded(model, tokenizer, _newline(tokenizer), path), meta.get("special"))
+    base = Path(meta["lora"]["base"]["path"]) if "lora" in meta else None
+    return _with_special(Loaded(model, tokenizer, _newline(tokenizer), path, base=base), meta.get("special"))
 
 
 def _adapted(config: GPTConfig, adapters: dict, weights: dict, path: Path, merge: bool) -> GPT:

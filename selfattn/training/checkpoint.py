@@ -53,7 +53,8 @@ def save(run_dir: str | os.PathLike, step: int, model: nn.Module, optimizer: tor
     if rank() != 0:
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
-    aliases, frozen = tied_names(model), frozen_names(model)
+    frozen = frozen_names(model)
+    aliases = {alias: name for alias, name in tied_names(model).items() if name not in frozen}
     tensors = {f"model/{k}": v for k, v in model_sd.items() if k not in aliases and k not in frozen}
     scalars = {}
     for name, state in optim_sd["state"].items():

@@ -99,6 +99,11 @@ class TrainConfig:
             _validate.positive_int("seq_len", self.seq_len)
         if self.pack and self.context_parallel > 1:
             raise ValueError("pack and context_parallel: packed documents are not split over ranks")
+        if self.lora_rank is not None:
+            _validate.positive_int("lora_rank", self.lora_rank)
+        if self.lora_alpha is not None:
+            _validate.positive_number("lora_alpha", self.lora_alpha)
+        _validate.probability("lora_dropout", self.lora_dropout)
         if self.init_from is None and (self.lora_rank is not None or self.lora_mlp):
             raise ValueError("LoRA adapts a loaded model: give --init-from with --lora-rank")
         if self.lora_rank is None and (self.lora_alpha is not None or self.lora_mlp or self.lora_dropout):
