@@ -87,7 +87,7 @@ IMPLS = ("kv-cache", "compiled", "hf-sdpa", "hf-eager", "no-cache")
 OURS = ("kv-cache", "compiled")  # our decoding, eager and compiled; the targets take the faster
 HF_IMPLS = {"hf-sdpa": "sdpa", "hf-eager": "eager"}  # impl -> transformers' attn_implementation
 GPT2_MODEL = "gpt2-small-shape"
-DEFAULT_CKPT = str(Path(__file__).resolve().parents[2] / ".cache" / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf")
+DEFAULT_CKPT = str(Path(__file__).resolve().parents[1] / ".cache" / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf")
 
 
 @dataclass

@@ -518,3 +518,9 @@ def test_bench_all_gives_every_suite_the_flags_it_takes(tmp_path, monkeypatch):
         monkeypatch.setattr(suite, "plot", lambda result, path: path)
     assert bench(["all", "--quick", "--reps", "2", "--threads", "1", "--out", str(tmp_path)]) == 0
     assert ran and all(settings.reps == 2 for settings in ran.values() if hasattr(settings, "reps"))
+
+
+def test_the_default_model_is_the_one_make_models_fetches():  # the benchmarks moved out of the package once
+    from helpers.smollm2 import PATH
+
+    assert decode.DEFAULT_CKPT == str(PATH)
