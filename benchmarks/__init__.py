@@ -17,6 +17,8 @@ settings, ``run(settings, device, log=...) -> result``, ``report(result) -> text
   model: perplexity and top-1 agreement on the built-in corpus, batch-1 decode time per token;
 - ``train`` (:mod:`~benchmarks.train`): tokens/s of a training step, our GPT vs a
   nanoGPT-equivalent model;
+- ``finetune`` (:mod:`~benchmarks.finetune`): a fine-tuning step on SmolLM2, full and LoRA, float32
+  and bfloat16 autocast, against ``transformers`` (+ ``peft``) on the same weights: tokens/s, peak memory;
 - ``masks`` (:mod:`~benchmarks.masks`): windows, packed documents, padding and plain causal
   at T = 4096 and 16384, every backend and ``auto``'s choice against SDPA with a dense mask and
   compiled FlexAttention;
@@ -33,6 +35,7 @@ from benchmarks import (
           attention,
           context_parallel,
           decode,
+          finetune,
           masks,
           quantized,
           speculative,
@@ -41,6 +44,6 @@ from benchmarks import (
 )
 
 SUITES = {"attention": attention, "decode": decode, "speculative": speculative, "int8": quantized, "train": train,
-          "masks": masks,
+          "finetune": finetune, "masks": masks,
           "context-parallel": context_parallel, "triton": triton_gpu}
 GPU_ONLY = ("triton",)  # left out of ``all`` where there is no CUDA device

@@ -1,6 +1,6 @@
 """Benchmarks against the peers, in one run: attention T sweep, decode tokens/s, train tokens/s.
 
-``python -m benchmarks attention|decode|speculative|int8|train|masks|context-parallel|triton|all
+``python -m benchmarks attention|decode|speculative|int8|train|finetune|masks|context-parallel|triton|all
 [--out DIR] [--quick] [--device D] [--threads N]``, from the repository's root, runs the suites of
 :mod:`benchmarks` (``auto``'s calibration is the library's own command, ``selfattn calibrate``). Each
 prints its tables
@@ -28,6 +28,7 @@ HELP = {"attention": "attention layers: our backends vs the peers over a T sweep
                        "transformers' generate (with its prompt lookup), a chat answer and an edit",
         "int8": "weight-only int8 vs the float model: perplexity, top-1 agreement, decode time per token",
         "train": "training-step tokens/s: our GPT vs a nanoGPT-equivalent model",
+        "finetune": "a fine-tuning step on SmolLM2, full and LoRA, float32 and bfloat16: ours vs transformers + peft",
         "masks": "windows, documents, padding: every backend and auto's choice vs dense SDPA and FlexAttention",
         "context-parallel": "ring attention over N local processes vs one: memory per rank, bytes sent, balance",
         "triton": "the Triton kernel on a CUDA GPU: parity at real sizes, TFLOP/s vs SDPA flash and cuDNN",
@@ -198,6 +199,21 @@ def _train_flags(p: argparse.ArgumentParser) -> None:
                    help=f"tokens per row (default {full.seq_len}, --quick {quick.seq_len})")
 
 
+def _finetune_flags(p: argparse.ArgumentParser) -> None:
+    full, quick = suites.finetune.FULL, suites.finetune.QUICK
+    p.add_argument("--ckpt", default=None, metavar="PATH",
+                   help="the model; default: SmolLM2-135M-Instruct's GGUF file in .cache/models (`make models`); "
+                        "--quick: a small random model")
+    p.add_argument("--batch-size", type=int, default=None,
+                   help=f"rows per step (default {full.batch_size}, --quick {quick.batch_size})")
+    p.add_argument("--seq-len", type=int, default=None,
+                   help=f"tokens per row (default {full.seq_len}, --quick {quick.seq_len})")
+    p.add_argument("--rank", type=int, default=None, help=f"LoRA's rank (default {full.rank}, --quick {quick.rank})")
+    p.add_argument("--dtypes", nargs="+", choices=("float32", "bfloat16"), default=None,
+                   help="float32 and/or bfloat16 autocast (default: both)")
+    p.add_argument("--no-memory", action="store_true", help="do not measure peak memory")
+
+
 def _masks_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cells", nargs="+", type=_cell, default=None, metavar="MASK:T",
                    help=f"cells to run, e.g. docs-16:16384 (masks: {', '.join(suites.masks.MASKS)}; default: all at "
@@ -237,5 +253,5 @@ def _triton_flags(p: argparse.ArgumentParser) -> None:
 
 SUITE_FLAGS = {"attention": _attention_flags, "decode": _decode_flags, "speculative": _speculative_flags,
                "int8": _int8_flags,
-               "train": _train_flags,
+               "train": _train_flags, "finetune": _finetune_flags,
                "masks": _masks_flags, "context-parallel": _context_parallel_flags, "triton": _triton_flags}

@@ -8,11 +8,12 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from benchmarks import attention, common, decode, memory, train
+from benchmarks import attention, common, decode, finetune, memory, train
 from benchmarks.cli import run as bench
 from benchmarks.peers import ATTENTION_PEERS, NanoGPT, SeedSelfAttention, attention_peer
 from selfattn import SelfAttention, _validate
 from selfattn.config import GPTConfig
+from selfattn.lora import lora_modules
 from selfattn.model import GPT
 
 
@@ -463,6 +464,25 @@ def test_train_check_fails_loudly_when_the_models_differ():
     x = torch.randint(256, (2, 64))
     with pytest.raises(common.CorrectnessError, match="train: nanogpt loss vs ours"):
         train._check(nets, x, x)
+
+
+def test_finetune_quick_run_checks_both_modes_and_writes_json_and_plot(tmp_path):
+    assert bench(["finetune", "--quick", "--threads", "1", "--dtypes", "float32", "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "finetune.json").read_text())
+    assert (tmp_path / "finetune.png").stat().st_size > 5_000
+    assert [(r["mode"], r["impl"]) for r in result["results"]] == [(m, i) for m in finetune.MODES
+                                                                   for i in finetune.IMPLS]
+    assert all(c["loss_err"] < 1e-5 for c in result["checks"]) and len(result["targets"]) == 3
+
+
+def test_finetune_check_fails_loudly_when_the_models_differ():
+    base, _ = finetune._base(finetune.QUICK)
+    pair = finetune._Pair(base, "lora", 4, torch.device("cpu"))
+    x = torch.randint(512, (2, 16))
+    with torch.no_grad():
+        next(iter(lora_modules(pair.models["selfattn"]).values())).lora_B.add_(0.5)
+    with pytest.raises(common.CorrectnessError, match="finetune lora float32: transformers vs ours"):
+        pair.check(x, x, "float32", "finetune lora float32")
 
 
 def test_bad_settings_are_value_errors_naming_the_value():
