@@ -28,6 +28,7 @@ COMMANDS = {  # name -> one-line help; the module is selfattn.cli.<name>
     "explore": "one self-contained HTML page: head view, model view, head roles, next-token predictions",
     "export": "write a folder transformers loads: AutoModelForCausalLM, AutoTokenizer, pipeline",
     "calibrate": "time auto's candidate backends on this machine and keep the fastest for auto to follow",
+    "serve": "an OpenAI-compatible HTTP server (chat, completions, streaming) that batches requests continuously",
 }
 
 

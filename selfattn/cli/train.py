@@ -100,8 +100,10 @@ class _Progress:
         if kind == "start":
             n = r["context_parallel"]
             ranks = f"{r['world']} rank(s)" + (f" ({r['world'] // n} x {n}: each sequence over {n})" if n > 1 else "")
-            print(f"selfattn train: {r['params'] / 1e6:.2f}M parameters, {r['data']}, {r['train_tokens']:,} train / "
-                  f"{r['val_tokens']:,} val tokens, {ranks} on {r['device']}, run folder {r['out']}"
+            trained = "" if r["trained"] == r["params"] else f" ({r['trained'] / 1e6:.2f}M trained: LoRA adapters)"
+            print(f"selfattn train: {r['params'] / 1e6:.2f}M parameters{trained}, {r['data']}, "
+                  f"{r['train_tokens']:,} train / {r['val_tokens']:,} val tokens, {ranks} on {r['device']}, "
+                  f"run folder {r['out']}"
                   + (f", resuming at step {r['start']}" if r["start"] else ""), flush=True)
             if r["start"] < r["max_steps"]:
                 self.bar = _tqdm()(total=r["max_steps"], initial=r["start"], unit="step", dynamic_ncols=True,

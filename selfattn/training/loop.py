@@ -321,7 +321,8 @@ def _train(model_cfg: GPTConfig, cfg: TrainConfig, out: Path, resume_from: Path 
     log = _Log(out, records, rank)
     if rank == 0:
         log.write_config(model_cfg, cfg, corpus.tokenizer)
-    report("start", {"params": raw.num_params(), "data": corpus.description, "train_tokens": corpus.n_train,
+    report("start", {"params": raw.num_params(), "trained": sum(p.numel() for p in raw.parameters() if p.requires_grad),
+                     "data": corpus.description, "train_tokens": corpus.n_train,
                      "val_tokens": corpus.n_val, "world": world, "context_parallel": cfg.context_parallel,
                      "device": str(device), "out": str(out),
                      "start": start, "max_steps": cfg.max_steps})
