@@ -19,6 +19,8 @@ settings, ``run(settings, device, log=...) -> result``, ``report(result) -> text
   nanoGPT-equivalent model;
 - ``finetune`` (:mod:`~benchmarks.finetune`): a fine-tuning step on SmolLM2, full and LoRA, float32
   and bfloat16 autocast, against ``transformers`` (+ ``peft``) on the same weights: tokens/s, peak memory;
+- ``surgery`` (:mod:`~benchmarks.surgery`): SmolLM2 given a sliding window with sink tokens: its
+  perplexity before, right after and after a fine-tune, its decode speed and KV cache at a long context;
 - ``masks`` (:mod:`~benchmarks.masks`): windows, packed documents, padding and plain causal
   at T = 4096 and 16384, every backend and ``auto``'s choice against SDPA with a dense mask and
   compiled FlexAttention;
@@ -39,11 +41,12 @@ from benchmarks import (
           masks,
           quantized,
           speculative,
+          surgery,
           train,
           triton_gpu,
 )
 
 SUITES = {"attention": attention, "decode": decode, "speculative": speculative, "int8": quantized, "train": train,
-          "finetune": finetune, "masks": masks,
+          "finetune": finetune, "surgery": surgery, "masks": masks,
           "context-parallel": context_parallel, "triton": triton_gpu}
 GPU_ONLY = ("triton",)  # left out of ``all`` where there is no CUDA device

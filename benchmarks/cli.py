@@ -1,6 +1,6 @@
 """Benchmarks against the peers, in one run: attention T sweep, decode tokens/s, train tokens/s.
 
-``python -m benchmarks attention|decode|speculative|int8|train|finetune|masks|context-parallel|triton|all
+``python -m benchmarks attention|decode|speculative|int8|train|finetune|surgery|masks|context-parallel|triton|all
 [--out DIR] [--quick] [--device D] [--threads N]``, from the repository's root, runs the suites of
 :mod:`benchmarks` (``auto``'s calibration is the library's own command, ``selfattn calibrate``). Each
 prints its tables
@@ -29,6 +29,8 @@ HELP = {"attention": "attention layers: our backends vs the peers over a T sweep
         "int8": "weight-only int8 vs the float model: perplexity, top-1 agreement, decode time per token",
         "train": "training-step tokens/s: our GPT vs a nanoGPT-equivalent model",
         "finetune": "a fine-tuning step on SmolLM2, full and LoRA, float32 and bfloat16: ours vs transformers + peft",
+        "surgery": "SmolLM2 given a sliding window with sink tokens: perplexity before, after, after a fine-tune; "
+                   "decode speed and KV cache at a long context",
         "masks": "windows, documents, padding: every backend and auto's choice vs dense SDPA and FlexAttention",
         "context-parallel": "ring attention over N local processes vs one: memory per rank, bytes sent, balance",
         "triton": "the Triton kernel on a CUDA GPU: parity at real sizes, TFLOP/s vs SDPA flash and cuDNN",
@@ -214,6 +216,20 @@ def _finetune_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-memory", action="store_true", help="do not measure peak memory")
 
 
+def _surgery_flags(p: argparse.ArgumentParser) -> None:
+    full = suites.surgery.FULL
+    p.add_argument("--ckpt", default=None, metavar="PATH",
+                   help="the model; default: SmolLM2-135M-Instruct's GGUF file in .cache/models (`make models`); "
+                        "--quick: a small random model")
+    p.add_argument("--tuned", default=None, metavar="RUN",
+                   help="a fine-tuned run of the changed model (train --init-from MODEL --set window=W "
+                        "--set sink_tokens=S): its perplexity too")
+    p.add_argument("--window", type=int, default=None, help=f"the sliding window (default {full.window})")
+    p.add_argument("--sink-tokens", type=int, default=None, help=f"sink tokens (default {full.sink_tokens})")
+    p.add_argument("--context", type=int, default=None,
+                   help=f"tokens of an evaluation window and of the decode's prompt (default {full.context})")
+
+
 def _masks_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cells", nargs="+", type=_cell, default=None, metavar="MASK:T",
                    help=f"cells to run, e.g. docs-16:16384 (masks: {', '.join(suites.masks.MASKS)}; default: all at "
@@ -253,5 +269,5 @@ def _triton_flags(p: argparse.ArgumentParser) -> None:
 
 SUITE_FLAGS = {"attention": _attention_flags, "decode": _decode_flags, "speculative": _speculative_flags,
                "int8": _int8_flags,
-               "train": _train_flags, "finetune": _finetune_flags,
+               "train": _train_flags, "finetune": _finetune_flags, "surgery": _surgery_flags,
                "masks": _masks_flags, "context-parallel": _context_parallel_flags, "triton": _triton_flags}

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from benchmarks import attention, common, decode, finetune, memory, train
+from benchmarks import attention, common, decode, finetune, memory, surgery, train
 from benchmarks.cli import run as bench
 from benchmarks.peers import ATTENTION_PEERS, NanoGPT, SeedSelfAttention, attention_peer
 from selfattn import SelfAttention, _validate
@@ -483,6 +483,18 @@ def test_finetune_check_fails_loudly_when_the_models_differ():
         next(iter(lora_modules(pair.models["selfattn"]).values())).lora_B.add_(0.5)
     with pytest.raises(common.CorrectnessError, match="finetune lora float32: transformers vs ours"):
         pair.check(x, x, "float32", "finetune lora float32")
+
+
+def test_surgery_quick_run_measures_the_changed_model_and_writes_json_and_plot(tmp_path):
+    assert bench(["surgery", "--quick", "--threads", "1", "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "surgery.json").read_text())
+    assert (tmp_path / "surgery.png").stat().st_size > 5_000
+    before, after = result["results"]
+    s = result["settings"]
+    assert after["cache_bytes"] < before["cache_bytes"] and before["perplexity"] != after["perplexity"]
+    assert after["tokens"] == before["tokens"] == s["windows"] * (s["context"] - 1)
+    with pytest.raises(ValueError, match="need sink_tokens < window < context"):
+        surgery.Settings(window=64, context=64).check()
 
 
 def test_bad_settings_are_value_errors_naming_the_value():
