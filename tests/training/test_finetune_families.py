@@ -122,3 +122,17 @@ def test_bad_lora_and_pack_flags_are_one_line(tmp_path, capsys, flags, words):
 def test_chat_data_needs_a_model_with_a_chat_template(tmp_path, capsys, chat_file):
     assert main(["train", "--data", str(chat_file), "--max-steps", "1", "--out", str(tmp_path / "r")]) == 2
     assert "give --init-from a chat model" in capsys.readouterr().err
+
+
+def test_the_commands_take_a_lora_run_as_any_run(tmp_path, chat_file, capsys):
+    base = folder("qwen2-some-layers-slide", tmp_path / "base")
+    run = tmp_path / "run"
+    assert main(["train", "--init-from", str(base), "--data", str(chat_file), "--seq-len", "64", "--lora-rank", "2",
+                 "--batch-size", "2", "--max-steps", "1", "--eval-every", "1", "--set", "eval_batches=1",
+                 "--out", str(run)]) == 0
+    for argv in (["check", "--ckpt", str(run)], ["eval", "--ckpt", str(run), "--data", str(chat_file)],
+                 ["sample", "--ckpt", str(run), "--chat", "say hi", "--max-new-tokens", "3", "--temperature", "0"],
+                 ["heads", "--ckpt", str(run), "--text", "what is red"],
+                 ["explore", "--ckpt", str(run), "--text", "what is red", "--out", str(tmp_path / "page.html")]):
+        capsys.readouterr()
+        assert main(argv) == 0, (argv, capsys.readouterr().err)
