@@ -47,10 +47,10 @@ import torch
 from torch import Tensor
 
 from selfattn._seeds import stream_seed
+from selfattn.loss import IGNORE
 from selfattn.tokenizers import BPETokenizer
 from selfattn.tokenizers.chat import ChatTemplate
 from selfattn.training import data as text_data
-from selfattn.training.evaluate import IGNORE
 
 SUFFIX = ".jsonl"  # the file name ending that makes --data chat data
 PAD = 0  # the id padding positions hold: never a target, never attended to by a real token

@@ -29,9 +29,8 @@ import torch
 from torch import Tensor
 
 from selfattn import _validate
+from selfattn.loss import IGNORE
 from selfattn.model import GPT
-
-IGNORE = -100  # a target the model's loss leaves out
 
 
 @dataclass(frozen=True)
