@@ -43,19 +43,24 @@ def main(args: argparse.Namespace) -> int:
         from selfattn.serve import server
         from selfattn.serve.app import create_app
         from selfattn.serve.engine import Engine
+        from selfattn.serve.rows import rows_keep_their_bits
     except ImportError as e:  # the extra is missing: one line saying which
         raise ValueError(str(e)) from None
-    sock = server.listen(args.host, args.port)  # before loading: a port in use fails at once
     device = _validate.device(args.device)
-    loaded = load(args.ckpt)
-    loaded.require_tokenizer()
-    path = Path(args.ckpt)
-    name = path.stem if path.is_file() else path.resolve().name
-    engine = Engine(loaded.model.to(device), max_batch=args.max_batch, queue=args.queue)
-    app = create_app(loaded, engine, name=name, api_key=args.api_key)
-    host, port = sock.getsockname()[:2]
-    print(f"selfattn serve: {name} on http://{host}:{port}/v1 (max batch {args.max_batch}, queue {args.queue}); "
-          f"SIGTERM or Ctrl-C stops", flush=True)
-    server.server(app).run(sockets=[sock])
+    with server.listen(args.host, args.port) as sock:  # before loading: a port in use fails at once
+        loaded = load(args.ckpt)
+        loaded.require_tokenizer()
+        path = Path(args.ckpt)
+        name = path.stem if path.is_file() else path.resolve().name
+        engine = Engine(loaded.model.to(device), max_batch=args.max_batch, queue=args.queue)
+        app = create_app(loaded, engine, name=name, api_key=args.api_key)
+        host, port = sock.getsockname()[:2]
+        print(f"selfattn serve: {name} on http://{host}:{port}/v1 (max batch {args.max_batch}, queue {args.queue}); "
+              f"SIGTERM or Ctrl-C stops", flush=True)
+        if not rows_keep_their_bits(engine.model):
+            print("selfattn serve: note: on this device (or with a mixture of experts) rows decoded together may "
+                  "round differently from one row alone, so a greedy answer may differ from `selfattn sample`'s",
+                  flush=True)
+        server.server(app).run(sockets=[sock])
     print("selfattn serve: stopped", flush=True)
     return 0

@@ -31,6 +31,8 @@ try:
 except ImportError as e:  # the optional extra is missing
     raise ImportError("selfattn serve needs FastAPI and uvicorn: pip install 'selfattn[serve]'") from e
 
+GONE = 499  # the status of an answer whose client has left (nginx's "client closed request"): nobody reads it
+
 
 def create_app(loaded: Loaded, engine: Engine, *, name: str, api_key: str | None = None) -> FastAPI:
     """The app serving ``loaded`` (its tokenizer, chat template and eos; its model is ``engine``'s)
@@ -103,18 +105,18 @@ def create_app(loaded: Loaded, engine: Engine, *, name: str, api_key: str | None
         if body.stream:
             return _streamed(_chat_chunks(channel, writer, logprobs is not None, body.include_usage()))
         answers = await _answers(request, channel)
-        return Response(status_code=499) if answers is None else writer.chat(answers[0], logprobs is not None)
+        return Response(status_code=GONE) if answers is None else writer.chat(answers[0], logprobs is not None)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
         body = schemas.parse(schemas.CompletionRequest, await schemas.read_json(request))
         schemas.refuse_unsupported(body)
-        ids = prompts.completion_ids(loaded, body.prompt)
+        given = prompts.completion_prompts(body.prompt)
+        ids = prompts.completion_ids(loaded, given)
         channel, echo = Channel(engine), bool(body.echo)
         channel.submit([Job(p, prompts.new_tokens(loaded, body, len(p), "prompt"), _sampling(body), loaded.eos,
                             TextStream(tokenizer, body.stops()), channel.emitter(i), logprobs=body.logprobs,
                             prompt_logprobs=body.logprobs if echo else None) for i, p in enumerate(ids)])
-        given = [body.prompt] if len(ids) == 1 and isinstance(body.prompt, str) else body.prompt
         echoed = [(p if isinstance(p, str) else tokenizer.decode(i)) if echo else "" for p, i in zip(given, ids)]
         writer = Writer(name, tokenizer, "cmpl")
         if body.stream:
@@ -122,7 +124,7 @@ def create_app(loaded: Loaded, engine: Engine, *, name: str, api_key: str | None
                                                 body.include_usage()))
         answers = await _answers(request, channel)
         if answers is None:
-            return Response(status_code=499)
+            return Response(status_code=GONE)
         return writer.completion(answers, [e + a.text for e, a in zip(echoed, answers)], body.logprobs is not None)
 
     return app

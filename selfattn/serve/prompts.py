@@ -27,22 +27,28 @@ def chat_ids(loaded: Loaded, messages: list[Message]) -> list[int]:
     return loaded.require_tokenizer().encode(text)
 
 
-def completion_ids(loaded: Loaded, prompt) -> list[list[int]]:
-    """The prompts of a completion request as token ids: a string or a list of token ids is one
-    prompt, a list of either several; text is encoded as ``selfattn sample --prompt`` encodes it."""
+def completion_prompts(prompt) -> list:
+    """The prompts of a completion request's ``prompt``: a string or a list of token ids is one
+    prompt, a list of either several."""
     if isinstance(prompt, str) or prompt and all(isinstance(p, int) for p in prompt):
-        prompt = [prompt]
+        return [prompt]
     if not prompt:
         raise APIError(400, "prompt: an empty list holds no prompt", param="prompt")
+    return list(prompt)
+
+
+def completion_ids(loaded: Loaded, prompts: list) -> list[list[int]]:
+    """Each of :func:`completion_prompts` as token ids, text encoded as ``selfattn sample --prompt``
+    encodes it; 400 for a prompt of no token or of ids outside the vocabulary."""
     tokenizer, vocab = loaded.require_tokenizer(), loaded.model.config.vocab_size
-    prompts = [tokenizer.encode(p, special=True) if isinstance(p, str) else list(p) for p in prompt]
-    for i, ids in enumerate(prompts):
-        if not ids:
+    ids = [tokenizer.encode(p, special=True) if isinstance(p, str) else list(p) for p in prompts]
+    for i, prompt in enumerate(ids):
+        if not prompt:
             raise APIError(400, f"prompt[{i}]: encodes to no token", param="prompt")
-        bad = [t for t in ids if not 0 <= t < vocab]
+        bad = [t for t in prompt if not 0 <= t < vocab]
         if bad:
             raise APIError(400, f"prompt[{i}]: token ids must be in [0, {vocab}), got {bad[:4]}", param="prompt")
-    return prompts
+    return ids
 
 
 def new_tokens(loaded: Loaded, request: ChatRequest | CompletionRequest, prompt_len: int, param: str) -> int:

@@ -3,7 +3,7 @@ checked field by field (:func:`parse`), fields the server does not know ignored.
 
 Types are strict, as OpenAI's are: ``"max_tokens": "5"`` or ``"stream": 1`` are refused, naming the
 field, not converted. A field the server knows but cannot honour (``n`` > 1, ``tools``, penalties) is
-refused too (:func:`refuse_unsupported`); a request never gets less than it asked for in silence.
+refused too (:func:`refuse_unsupported`), not ignored.
 """
 from __future__ import annotations
 
