@@ -135,6 +135,23 @@ def test_two_cpu_processes_equal_one_with_the_same_global_batch(tmp_path, mode):
     assert losses[0] == pytest.approx(losses[1], rel=1e-5)
 
 
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_lora_on_two_cpu_processes_equals_one(tmp_path, mode):
+    base = tmp_path / "base"
+    assert main(["train", *MICRO, "--max-steps", "2", "--out", str(base)]) == 0
+    flags = ["--init-from", str(base), "--lora-rank", "2", "--lora-mlp", "--batch-size", "4", "--max-steps", "3",
+             "--save-every", "3", "--eval-every", "3", "--set", "eval_batches=1", "--lr", "1e-2", "--warmup-steps", "1"]
+    r = _torchrun("train", *flags, "--out", str(tmp_path / mode), *(["--fsdp"] if mode == "fsdp" else []))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert main(["train", *flags, "--out", str(tmp_path / "one")]) == 0
+    two, _ = checkpoint.read_weights(tmp_path / mode / "ckpt-0000003.safetensors")
+    one, _ = checkpoint.read_weights(tmp_path / "one" / "ckpt-0000003.safetensors")
+    assert set(two) == set(one) and all(k.endswith((".lora_A", ".lora_B")) for k in one)  # the adapters alone
+    for name in one:
+        torch.testing.assert_close(two[name], one[name], rtol=1e-5, atol=1e-6)
+    assert all(one[k].abs().max() > 1e-3 for k in one if k.endswith("lora_B"))  # control: B left zero
+
+
 @pytest.mark.parametrize("nproc, n, pos", [(2, 2, "learned"), (4, 2, "rope")], ids=["cp2", "dp2xcp2"])
 def test_context_parallel_training_equals_one_process_step_for_step(tmp_path, nproc, n, pos):
     """Each sequence split over n ranks (ring attention), DDP over the rings: the same losses,
