@@ -21,6 +21,9 @@ settings, ``run(settings, device, log=...) -> result``, ``report(result) -> text
   and bfloat16 autocast, against ``transformers`` (+ ``peft``) on the same weights: tokens/s, peak memory;
 - ``surgery`` (:mod:`~benchmarks.surgery`): SmolLM2 given a sliding window with sink tokens: its
   perplexity before, right after and after a fine-tune, its decode speed and KV cache at a long context;
+- ``serving`` (:mod:`~benchmarks.serving`): ``selfattn serve`` against llama.cpp's ``llama-server`` on
+  SmolLM2's GGUF file, 1, 4 and 16 concurrent streaming chat clients: aggregate tokens/s, time to first
+  token and inter-token latency (median, p95);
 - ``masks`` (:mod:`~benchmarks.masks`): windows, packed documents, padding and plain causal
   at T = 4096 and 16384, every backend and ``auto``'s choice against SDPA with a dense mask and
   compiled FlexAttention;
@@ -40,6 +43,7 @@ from benchmarks import (
           finetune,
           masks,
           quantized,
+          serving,
           speculative,
           surgery,
           train,
@@ -47,6 +51,6 @@ from benchmarks import (
 )
 
 SUITES = {"attention": attention, "decode": decode, "speculative": speculative, "int8": quantized, "train": train,
-          "finetune": finetune, "surgery": surgery, "masks": masks,
+          "finetune": finetune, "surgery": surgery, "serving": serving, "masks": masks,
           "context-parallel": context_parallel, "triton": triton_gpu}
 GPU_ONLY = ("triton",)  # left out of ``all`` where there is no CUDA device

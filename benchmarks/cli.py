@@ -1,7 +1,7 @@
 """Benchmarks against the peers, in one run: attention T sweep, decode tokens/s, train tokens/s.
 
-``python -m benchmarks attention|decode|speculative|int8|train|finetune|surgery|masks|context-parallel|triton|all
-[--out DIR] [--quick] [--device D] [--threads N]``, from the repository's root, runs the suites of
+``python -m benchmarks attention|decode|speculative|int8|train|finetune|surgery|serving|masks|context-parallel|
+triton|all [--out DIR] [--quick] [--device D] [--threads N]``, from the repository's root, runs the suites of
 :mod:`benchmarks` (``auto``'s calibration is the library's own command, ``selfattn calibrate``). Each
 prints its tables
 and targets and writes ``DIR/<suite>.json`` and ``DIR/<suite>.png``; a failed correctness check
@@ -31,6 +31,8 @@ HELP = {"attention": "attention layers: our backends vs the peers over a T sweep
         "finetune": "a fine-tuning step on SmolLM2, full and LoRA, float32 and bfloat16: ours vs transformers + peft",
         "surgery": "SmolLM2 given a sliding window with sink tokens: perplexity before, after, after a fine-tune; "
                    "decode speed and KV cache at a long context",
+        "serving": "selfattn serve vs llama.cpp's llama-server under 1, 4 and 16 streaming chat clients: aggregate "
+                   "tokens/s, time to first token, inter-token latency",
         "masks": "windows, documents, padding: every backend and auto's choice vs dense SDPA and FlexAttention",
         "context-parallel": "ring attention over N local processes vs one: memory per rank, bytes sent, balance",
         "triton": "the Triton kernel on a CUDA GPU: parity at real sizes, TFLOP/s vs SDPA flash and cuDNN",
@@ -230,6 +232,20 @@ def _surgery_flags(p: argparse.ArgumentParser) -> None:
                    help=f"tokens of an evaluation window and of the decode's prompt (default {full.context})")
 
 
+def _serving_flags(p: argparse.ArgumentParser) -> None:
+    full, quick = suites.serving.FULL, suites.serving.QUICK
+    p.add_argument("--ckpt", default=None, metavar="PATH",
+                   help="the model both serve (llama-server: GGUF files only); default: SmolLM2-135M-Instruct's GGUF "
+                        "file in .cache/models (`make models`); --quick: a small random model, ours alone")
+    p.add_argument("--clients", type=int, nargs="+", default=None,
+                   help=f"counts of concurrent clients, each sending --reps requests in turn (default {full.clients}, "
+                        f"--reps {full.reps}; --quick {quick.clients}, --reps {quick.reps})")
+    p.add_argument("--max-tokens", type=int, default=None,
+                   help=f"most tokens per answer (default {full.max_tokens}, --quick {quick.max_tokens})")
+    p.add_argument("--max-batch", type=int, default=None,
+                   help=f"our server's --max-batch (default {full.max_batch}, --quick {quick.max_batch})")
+
+
 def _masks_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cells", nargs="+", type=_cell, default=None, metavar="MASK:T",
                    help=f"cells to run, e.g. docs-16:16384 (masks: {', '.join(suites.masks.MASKS)}; default: all at "
@@ -269,5 +285,5 @@ def _triton_flags(p: argparse.ArgumentParser) -> None:
 
 SUITE_FLAGS = {"attention": _attention_flags, "decode": _decode_flags, "speculative": _speculative_flags,
                "int8": _int8_flags,
-               "train": _train_flags, "finetune": _finetune_flags, "surgery": _surgery_flags,
+               "train": _train_flags, "finetune": _finetune_flags, "surgery": _surgery_flags, "serving": _serving_flags,
                "masks": _masks_flags, "context-parallel": _context_parallel_flags, "triton": _triton_flags}

