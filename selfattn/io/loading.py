@@ -232,7 +232,7 @@ def _load_gguf(path: Path) -> Loaded:
     special = {name: i for name, i in special.items() if i is not None and 0 <= i < vocab}
     chat = None
     if tokenizer is not None and "tokenizer.chat_template" in meta:
-        names = {f"{name}_token": tokenizer.tok.id_to_token(i) for name, i in special.items() if name != "eot"}
+        names = {f"{name}_token": tokenizer.piece(i) for name, i in special.items() if name != "eot"}
         chat = ChatTemplate(meta.value("tokenizer.chat_template", str), names, f"{path} (tokenizer.chat_template)")
     start = special.get("bos", None if tokenizer is None else _newline(tokenizer))
     eos = tuple(dict.fromkeys(special[name] for name in ("eos", "eot") if name in special))

