@@ -24,6 +24,8 @@ settings, ``run(settings, device, log=...) -> result``, ``report(result) -> text
 - ``serving`` (:mod:`~benchmarks.serving`): ``selfattn serve`` against llama.cpp's ``llama-server`` on
   SmolLM2's GGUF file, 1, 4 and 16 concurrent streaming chat clients: aggregate tokens/s, time to first
   token and inter-token latency (median, p95);
+- ``loading`` (:mod:`~benchmarks.loading`): SmolLM2's and Gemma 3's GGUF files loaded and ready to generate,
+  ours against llama.cpp's load time, each in fresh processes;
 - ``masks`` (:mod:`~benchmarks.masks`): windows, packed documents, padding and plain causal
   at T = 4096 and 16384, every backend and ``auto``'s choice against SDPA with a dense mask and
   compiled FlexAttention;
@@ -41,6 +43,7 @@ from benchmarks import (
           context_parallel,
           decode,
           finetune,
+          loading,
           masks,
           quantized,
           serving,
@@ -51,6 +54,7 @@ from benchmarks import (
 )
 
 SUITES = {"attention": attention, "decode": decode, "speculative": speculative, "int8": quantized, "train": train,
-          "finetune": finetune, "surgery": surgery, "serving": serving, "masks": masks,
+          "finetune": finetune, "surgery": surgery, "serving": serving,
+          "loading": loading, "masks": masks,
           "context-parallel": context_parallel, "triton": triton_gpu}
 GPU_ONLY = ("triton",)  # left out of ``all`` where there is no CUDA device

@@ -1,8 +1,8 @@
 """Benchmarks against the peers, in one run: attention T sweep, decode tokens/s, train tokens/s.
 
-``python -m benchmarks attention|decode|speculative|int8|train|finetune|surgery|serving|masks|context-parallel|
-triton|all [--out DIR] [--quick] [--device D] [--threads N]``, from the repository's root, runs the suites of
-:mod:`benchmarks` (``auto``'s calibration is the library's own command, ``selfattn calibrate``). Each
+``python -m benchmarks attention|decode|speculative|int8|train|finetune|surgery|serving|loading|masks|
+context-parallel|triton|all [--out DIR] [--quick] [--device D] [--threads N]``, from the repository's root,
+runs the suites of :mod:`benchmarks` (``auto``'s calibration is the library's own command, ``selfattn calibrate``). Each
 prints its tables
 and targets and writes ``DIR/<suite>.json`` and ``DIR/<suite>.png``; a failed correctness check
 stops the run with exit status 1. ``--quick`` runs small shapes in about a minute. ``all`` runs
@@ -33,6 +33,7 @@ HELP = {"attention": "attention layers: our backends vs the peers over a T sweep
                    "decode speed and KV cache at a long context",
         "serving": "selfattn serve vs llama.cpp's llama-server under 1, 4 and 16 streaming chat clients: aggregate "
                    "tokens/s, time to first token, inter-token latency",
+        "loading": "SmolLM2's and Gemma 3's GGUF files loaded and ready to generate: ours vs llama.cpp's load time",
         "masks": "windows, documents, padding: every backend and auto's choice vs dense SDPA and FlexAttention",
         "context-parallel": "ring attention over N local processes vs one: memory per rank, bytes sent, balance",
         "triton": "the Triton kernel on a CUDA GPU: parity at real sizes, TFLOP/s vs SDPA flash and cuDNN",
@@ -246,6 +247,11 @@ def _serving_flags(p: argparse.ArgumentParser) -> None:
                    help=f"our server's --max-batch (default {full.max_batch}, --quick {quick.max_batch})")
 
 
+def _loading_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--models", nargs="+", choices=tuple(suites.loading.FILES), default=None,
+                   help="the GGUF files to load (default: both; --quick: SmolLM2 alone)")
+
+
 def _masks_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cells", nargs="+", type=_cell, default=None, metavar="MASK:T",
                    help=f"cells to run, e.g. docs-16:16384 (masks: {', '.join(suites.masks.MASKS)}; default: all at "
@@ -286,4 +292,5 @@ def _triton_flags(p: argparse.ArgumentParser) -> None:
 SUITE_FLAGS = {"attention": _attention_flags, "decode": _decode_flags, "speculative": _speculative_flags,
                "int8": _int8_flags,
                "train": _train_flags, "finetune": _finetune_flags, "surgery": _surgery_flags, "serving": _serving_flags,
+               "loading": _loading_flags,
                "masks": _masks_flags, "context-parallel": _context_parallel_flags, "triton": _triton_flags}

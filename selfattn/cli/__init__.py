@@ -26,7 +26,7 @@ COMMANDS = {  # name -> one-line help; the module is selfattn.cli.<name>
     "induction": "train a 2-layer attention-only GPT until induction heads form; 4 heads vs 1",
     "scaling": "why scores are scaled by 1/sqrt(head_dim): the softmax at init, three scalings",
     "explore": "one self-contained HTML page: head view, model view, head roles, next-token predictions",
-    "export": "write a folder transformers loads: AutoModelForCausalLM, AutoTokenizer, pipeline",
+    "export": "write a folder transformers loads (AutoModelForCausalLM, pipeline) or a GGUF file llama.cpp runs",
     "calibrate": "time auto's candidate backends on this machine and keep the fastest for auto to follow",
     "serve": "an OpenAI-compatible HTTP server (chat, completions, streaming) that batches requests continuously",
 }

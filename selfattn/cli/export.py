@@ -1,4 +1,4 @@
-"""Export a model to a folder that Hugging Face transformers loads, offline.
+"""Export a model to a folder that Hugging Face transformers loads, or a GGUF file that llama.cpp runs, offline.
 
 ``--ckpt`` takes anything ``load`` reads: a run folder of ``selfattn train`` (its newest
 checkpoint; a LoRA run's adapters merged into its base), one checkpoint file, a transformers
@@ -8,6 +8,12 @@ folder or a GGUF file. ``--out`` receives ``config.json``, ``model.safetensors``
 ``pipeline("text-generation", model=DIR)`` work, and ``selfattn sample --ckpt DIR`` reads it back.
 The model is written as GPT-2 where GPT-2 can say it, else as the first family that can (see
 :mod:`selfattn.io.export`). ``--adapter`` writes a LoRA run's adapters alone, as a ``peft`` folder.
+
+``--out FILE.gguf`` writes a GGUF file that llama.cpp runs instead (:mod:`selfattn.io.gguf_export`): the first
+family llama.cpp has an architecture for that says the model, its matrices in ``--type`` (default f32, exact
+for any source: our models compute in float32; f16, bf16 and q8_0 are smaller), read back and checked.
+A file of another type than f32 states its perplexity cost: the perplexity of the file read back and of the
+source on the first :data:`PPL_TOKENS` tokens of ``--ppl-data`` (default: the built-in corpus).
 """
 from __future__ import annotations
 
@@ -17,16 +23,27 @@ from pathlib import Path
 from selfattn import lora
 from selfattn.families import writing
 from selfattn.io.export import PROBE_TOKENS, Special, check_target, export
-from selfattn.io.loading import load
+from selfattn.io.formats.gguf_write import TYPES
+from selfattn.io.loading import Loaded, load
+from selfattn.training.data import read_corpus
+from selfattn.training.evaluate import perplexity
+
+PPL_TOKENS = 512  # tokens a GGUF file's perplexity cost is measured on
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ckpt", required=True, metavar="PATH", default=argparse.SUPPRESS,
                    help="run folder, checkpoint file, local folder saved by transformers, or GGUF file")
     p.add_argument("--out", required=True, metavar="DIR", default=argparse.SUPPRESS,
-                   help="the folder to write (created; must be empty unless --force; never a run folder)")
+                   help="the folder to write (created; must be empty unless --force; never a run folder); "
+                        "a name ending in .gguf: a GGUF file llama.cpp runs")
     p.add_argument("--force", action="store_true",
                    help="replace --out when it exists and is not empty (a run folder is refused even so)")
+    p.add_argument("--type", choices=TYPES, default=None,
+                   help="a GGUF file's matrix type (1-D tensors stay f32); unset: f32, exact")
+    p.add_argument("--ppl-data", default=None, metavar="FILE",
+                   help="a GGUF file not in f32: the text its perplexity cost is measured on (its first "
+                        f"{PPL_TOKENS} tokens); unset: the built-in corpus")
     p.add_argument("--adapter", action="store_true",
                    help="a LoRA run: write its adapters alone, as a peft folder for the base model in transformers "
                         "(adapter_config.json, adapter_model.safetensors), instead of the merged model")
@@ -34,6 +51,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     out = Path(args.out).absolute()
+    if out.suffix == ".gguf":
+        return _gguf(args, out)
+    for flag in ("type", "ppl_data"):
+        if getattr(args, flag) is not None:
+            raise ValueError(f"--{flag.replace('_', '-')} is for a GGUF file (--out FILE.gguf); --out {args.out!r} "
+                             f"is a folder")
     check_target(out, args.force, flags=True)  # before the load: a large model takes a while
     if args.adapter:
         return _adapter(args.ckpt, out, args.out)
@@ -53,6 +76,54 @@ def main(args: argparse.Namespace) -> int:
     print(f'  load it: AutoModelForCausalLM.from_pretrained("{args.out}"), '
           f'AutoTokenizer.from_pretrained("{args.out}")')
     return 0
+
+
+def _gguf(args: argparse.Namespace, out: Path) -> int:
+    """``--out FILE.gguf``: the model as a GGUF file llama.cpp runs, and what its type costs."""
+    from selfattn.io.gguf_export import export_gguf
+
+    if args.adapter:
+        raise ValueError("--adapter writes a peft folder; a GGUF file (--out FILE.gguf) holds the merged model")
+    if out.is_dir():
+        raise ValueError(f"--out {args.out!r} is a folder; name the GGUF file to write")
+    if out.exists() and not args.force:
+        raise ValueError(f"--out {args.out!r} exists; pass --force to replace it")
+    kind = args.type or "f32"
+    if kind == "f32" and args.ppl_data is not None:
+        raise ValueError("--ppl-data measures what a --type other than f32 costs; f32 costs nothing")
+    text = None if kind == "f32" else read_corpus(args.ppl_data)  # before the load: a bad file is seconds sooner
+    loaded = load(args.ckpt)
+    if out == loaded.source.absolute():
+        raise ValueError(f"--out {args.out!r} is the model being exported; choose another file")
+    done = export_gguf(loaded.model, loaded.require_tokenizer(), out, type=kind,
+                       special=Special(loaded.bos, loaded.eos, loaded.chat and loaded.chat.source),
+                       source=loaded.source)
+    cfg, w = loaded.model.config, done.written
+    print(f"selfattn export: {loaded.source} -> {args.out}")
+    print(f"  llama.cpp's {w.architecture} ({w.model_type}): {cfg.n_layer} layers x {cfg.n_head} heads, "
+          f"C={cfg.n_embd}, vocab {cfg.vocab_size}, context {cfg.block_size}, "
+          f"{loaded.model.num_params() / 1e6:.2f}M parameters")
+    print(f"  {_describe(out)}: " + ", ".join(f"{n} {kind}" for kind, n in w.types.items()) +
+          f" tensors; tokenizer {w.tokenizer}" + ("" if loaded.eos else "; no end-of-text token declared (llama.cpp "
+                                                   "stops at its default one, id 11 for gpt2 and 2 for llama)"))
+    print(f"  logits of the file (read back, float32) vs ours: max |difference| {done.logits_error:.1e} on "
+          f"{min(PROBE_TOKENS, cfg.block_size)} tokens")
+    if text is not None:
+        _perplexity_cost(loaded, done.model, *text)
+    print(f'  run it: llama-completion -m {args.out} -p "..." -no-cnv')
+    return 0
+
+
+def _perplexity_cost(loaded: Loaded, written, text: str, what: str) -> None:
+    """Print the perplexity of ``written`` (the file read back) and of the source on the first
+    :data:`PPL_TOKENS` tokens of ``text`` (``what``: where it came from)."""
+    ids = loaded.require_tokenizer().encode(text[:PPL_TOKENS * 16])[:PPL_TOKENS]  # at most 16 characters a token
+    if len(ids) < 2:
+        raise ValueError(f"--ppl-data {what} is {len(ids)} token(s) long; a perplexity needs 2")
+    window = min(len(ids), loaded.model.config.block_size)
+    source, file = (perplexity(model, ids, window=window).perplexity for model in (loaded.model, written))
+    print(f"  perplexity on {len(ids)} tokens of {what}: {file:.4f} (the source: {source:.4f}; "
+          f"{(file / source - 1) * 100:+.3f}%)")
 
 
 def _adapter(ckpt: str, out: Path, given: str) -> int:

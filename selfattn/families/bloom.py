@@ -7,13 +7,17 @@ paper's slopes per head; a GELU MLP of 4C (BLOOM's tanh approximation); a tied h
 Weights: the fused ``query_key_value`` interleaves q, k and v per head (rows ``(H, 3, D)``), which
 :func:`arrange` reorders into our ``(3, H, D)``; ``dense`` is ``proj``, ``dense_h_to_4h`` and
 ``dense_4h_to_h`` are ``c_fc`` and ``c_proj``.
+
+GGUF (llama.cpp's architecture bloom, :data:`GGUF`): the converter regroups ``query_key_value``'s rows as q, k,
+v apart (``attn_qkv``), put back per head when read; llama.cpp's ALiBi has the same slopes (its maximum
+bias 8, fixed), its MLP is ``feed_forward_length`` wide (4C as the converter writes it).
 """
 from __future__ import annotations
 
 from torch import Tensor
 
 from selfattn.config import GPTConfig
-from selfattn.families import _config, _names
+from selfattn.families import _config, _gguf, _names
 
 MODEL_TYPES = ("bloom",)
 
@@ -25,6 +29,18 @@ OUTSIDE = {"wte.weight": "transformer.word_embeddings.weight",
            "ln_emb.bias": "transformer.word_embeddings_layernorm.bias", "ln_f.weight": "transformer.ln_f.weight",
            "ln_f.bias": "transformer.ln_f.bias", "lm_head.weight": "lm_head.weight"}
 LAYER = "transformer.h.{i}."  # the folder's prefix of layer i
+GGUF = _gguf.Names({"bloom": "bloom"},
+                   fields={**_gguf.FIELDS,
+                           "layer_norm_epsilon": ("attention.layer_norm_epsilon", float, _gguf.REQUIRED)},
+                   outside={"token_embd.weight": "transformer.word_embeddings.weight",
+                            "token_embd_norm.weight": "transformer.word_embeddings_layernorm.weight",
+                            "token_embd_norm.bias": "transformer.word_embeddings_layernorm.bias",
+                            "output_norm.weight": "transformer.ln_f.weight",
+                            "output_norm.bias": "transformer.ln_f.bias", "output.weight": "lm_head.weight"},
+                   in_block={"attn_norm": "input_layernorm", "attn_qkv": "self_attention.query_key_value",
+                             "attn_output": "self_attention.dense", "ffn_norm": "post_attention_layernorm",
+                             "ffn_up": "mlp.dense_h_to_4h", "ffn_down": "mlp.dense_4h_to_h"},
+                   layer="transformer.h.{i}.", by_head=frozenset({"attn_qkv"}))
 IN_LAYER = {"ln_1": "input_layernorm", "ln_2": "post_attention_layernorm", "attn.qkv": "self_attention.query_key_value",
             "attn.proj": "self_attention.dense", "mlp.c_fc": "mlp.dense_h_to_4h", "mlp.c_proj": "mlp.dense_4h_to_h"}
 

@@ -10,12 +10,21 @@ layers their own RoPE base (``rope_local_base_freq``, its ``sliding_attention`` 
 
 Weights: as Llama's, plus ``post_attention_layernorm`` -> ``post_ln_1``,
 ``pre_feedforward_layernorm`` -> ``ln_2``, ``post_feedforward_layernorm`` -> ``post_ln_2``.
+
+GGUF (llama.cpp's architectures gemma2 and gemma3, :data:`GGUF`): its converter stores every norm weight
+as ``1 + w``; the file does not say the sliding pattern (every 2nd layer slides, Gemma 3: five of six, unless
+``attention.sliding_window_pattern`` says), the local RoPE base (Gemma 2: the global one, Gemma 3: 10000,
+unless ``rope.freq_base_swa`` says), the attention scale (``head_dim ** -0.5``, the 27B models'
+``(hidden_size / heads) ** -0.5``) nor the activation (GELU, tanh-approximated): llama.cpp's own rules
+(``src/models/gemma2.cpp``, ``gemma3.cpp``) fill them in. So what llama.cpp cannot represent: another
+``query_pre_attn_scalar``, another activation, and (the converter writing no pattern) ``layer_types`` other
+than those rules'; Gemma 2's RoPE scaling applies to its sliding layers too, Gemma 3's to the global ones only.
 """
 from __future__ import annotations
 
 from selfattn import _validate
 from selfattn.config import GPTConfig
-from selfattn.families import _config, _names, llama
+from selfattn.families import _config, _gguf, _names, llama
 
 MODEL_TYPES = ("gemma2", "gemma3_text")
 
@@ -33,6 +42,37 @@ _GELU = {"gelu_pytorch_tanh": "tanh", "gelu": "none"}  # transformers' ACT2FN na
 LAYER = llama.LAYER
 IN_LAYER = {**llama.IN_LAYER, "post_ln_1": "post_attention_layernorm", "ln_2": "pre_feedforward_layernorm",
             "post_ln_2": "post_feedforward_layernorm"}
+
+
+def _derive(arch: str, value, c: dict) -> None:
+    """The config fields llama.cpp's gemma2 and gemma3 derive rather than read (see the module docstring)."""
+    gemma3 = arch == "gemma3"
+    _gguf.sliding(value, c, 6 if gemma3 else 2, None if gemma3 else 4096)
+    full = c["rope_parameters"]
+    local = value("rope.freq_base_swa", float, 10000.0 if gemma3 else full["rope_theta"])
+    if gemma3 or local != full["rope_theta"]:  # the sliding layers' own base, unscaled (Gemma 2's: scaled)
+        if not gemma3 and full["rope_type"] != "default":
+            raise _gguf.FieldError(f"rope.freq_base_swa {local:g} with rope.scaling.type {full['rope_type']!r} is not "
+                                   f"supported: the sliding layers' RoPE may differ in its base only")
+        sliding = {"rope_type": "default", "rope_theta": local}
+        if "partial_rotary_factor" in full:
+            sliding["partial_rotary_factor"] = full["partial_rotary_factor"]
+        c["rope_parameters"] = {"full_attention": full, "sliding_attention": sliding}
+    head_dim = c["head_dim"] or c["hidden_size"] // c["num_attention_heads"]
+    big = c["num_hidden_layers"] == (62 if gemma3 else 46)  # the 27B models
+    c["query_pre_attn_scalar"] = c["hidden_size"] // c["num_attention_heads"] if big else head_dim
+    c["hidden_activation"] = "gelu_pytorch_tanh"
+    final = value("final_logit_softcapping", float, None if gemma3 else 30.0)
+    c["final_logit_softcapping"] = final or None  # 0: none
+    if not gemma3:
+        c["attn_logit_softcapping"] = value("attn_logit_softcapping", float, 50.0) or None
+
+
+GGUF = _gguf.Names({"gemma2": "gemma2", "gemma3": "gemma3_text"},
+                   in_block={**_gguf.IN_BLOCK, "post_attention_norm": "post_attention_layernorm",
+                             "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm",
+                             "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"},
+                   norm_offset=1.0, derive=_derive)
 
 
 @_config.naming_the_file

@@ -9,12 +9,20 @@ which stores the experts as gpt-oss does); an untied head.
 Weights: as Llama's attention and norms, plus ``self_attn.sinks`` -> ``attn.sinks``,
 ``mlp.router`` as is, ``mlp.experts.gate_up_proj`` (and ``_bias``) -> ``mlp.gate_up_proj``
 (``mlp.gate_up_bias``), ``mlp.experts.down_proj`` (and ``_bias``) likewise.
+
+GGUF (llama.cpp's architecture gpt-oss, :data:`GGUF`): the converter stores the experts' matrices transposed
+and splits ``gate_up_proj`` (and its bias) into its even entries (``ffn_gate_exps``) and odd ones
+(``ffn_up_exps``), read back alternated; the sinks are ``attn_sinks``, the router ``ffn_gate_inp``. llama.cpp
+fixes what the file does not say: every other layer slides (unless ``attention.sliding_window_pattern``
+says), the clamp of the experts' SwiGLU (7), biases on q, k, v and o. What it cannot represent: another
+``swiglu_limit``, and YaRN's ``truncate`` false (gpt-oss's own: llama.cpp rounds the ramp's ends outward), nor
+``beta_fast`` and ``beta_slow`` other than 32 and 1.
 """
 from __future__ import annotations
 
 from selfattn import _validate
 from selfattn.config import GPTConfig
-from selfattn.families import _config, _names, llama
+from selfattn.families import _config, _gguf, _names, llama
 
 MODEL_TYPES = ("gpt_oss",)
 
@@ -27,6 +35,31 @@ LAYER = llama.LAYER
 IN_LAYER = {**llama.IN_LAYER, "attn.sinks": "self_attn.sinks", "mlp.gate_up_proj": "mlp.experts.gate_up_proj",
             "mlp.gate_up_bias": "mlp.experts.gate_up_proj_bias", "mlp.down_proj": "mlp.experts.down_proj",
             "mlp.down_bias": "mlp.experts.down_proj_bias"}
+
+
+def _derive(arch: str, value, c: dict) -> None:
+    """What llama.cpp's gpt-oss fixes rather than reads (see the module docstring)."""
+    _gguf.sliding(value, c, 2, _gguf.REQUIRED)
+    local = value("rope.freq_base_swa", float, c["rope_theta"])
+    if local != c["rope_theta"]:
+        raise _gguf.FieldError(f"rope.freq_base_swa is {local:g}, not rope.freq_base {c['rope_theta']:g}: the sliding "
+                               f"layers' own RoPE base is not supported")
+    c["swiglu_limit"], c["attention_bias"] = 7.0, True
+
+
+GGUF = _gguf.Names({"gpt-oss": "gpt_oss"},
+                   fields={**_gguf.RMS_FIELDS, "intermediate_size": ("expert_feed_forward_length", int, _gguf.REQUIRED),
+                           "num_local_experts": ("expert_count", int, _gguf.REQUIRED),
+                           "num_experts_per_tok": ("expert_used_count", int, _gguf.REQUIRED)},
+                   in_block={"attn_norm": "input_layernorm", "post_attention_norm": "post_attention_layernorm",
+                             "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+                             "attn_output": "self_attn.o_proj", "attn_sinks.weight": "self_attn.sinks",
+                             "ffn_gate_inp": "mlp.router", "ffn_down_exps.weight": "mlp.experts.down_proj",
+                             "ffn_down_exps.bias": "mlp.experts.down_proj_bias"},
+                   transposed=frozenset({"ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight"}),
+                   alternated={"mlp.experts.gate_up_proj": ("ffn_gate_exps.weight", "ffn_up_exps.weight"),
+                               "mlp.experts.gate_up_proj_bias": ("ffn_gate_exps.bias", "ffn_up_exps.bias")},
+                   derive=_derive)
 
 
 @_config.naming_the_file

@@ -11,13 +11,20 @@ head (Qwen3), and what ``transformers`` assumes for a key ``config.json`` leaves
 Weights: ``q_proj``, ``k_proj``, ``v_proj`` stack (rows) into our fused ``qkv``, ``o_proj`` is
 ``proj``, ``gate_proj`` and ``up_proj`` into ``gate_up_proj``, the norms are ``ln_1``, ``ln_2``,
 ``ln_f``.
+
+GGUF (llama.cpp's architectures llama, which Mistral's converter writes too, qwen2 and qwen3, :data:`GGUF`):
+the converter interleaves a Llama's q/k rows for llama.cpp's RoPE and writes Llama 3's RoPE rule as one factor
+per frequency (``rope_freqs``). What llama.cpp cannot represent: a sliding window (its llama, qwen2 and qwen3
+read none, so a Mistral or Qwen file attends to all of its context); Qwen3's ``attention_bias`` (its qwen3
+has no ``o_proj`` bias); RoPE on part of a Llama's heads (its llama refuses it); YaRN's ``beta_fast``,
+``beta_slow``, ``attention_factor`` and ``truncate`` (it computes 32, 1, its own factor and truncated ends).
 """
 from __future__ import annotations
 
 import re
 
 from selfattn.config import GPTConfig
-from selfattn.families import _config, _names
+from selfattn.families import _config, _gguf, _names
 
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -50,6 +57,21 @@ IN_LAYER = {"ln_1": "input_layernorm", "ln_2": "post_attention_layernorm",
             "attn.qkv": ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], "attn.proj": "self_attn.o_proj",
             "attn.q_norm": "self_attn.q_norm", "attn.k_norm": "self_attn.k_norm",
             "mlp.gate_up_proj": ["mlp.gate_proj", "mlp.up_proj"]}  # in layer i; the rest keep their names
+
+
+def _derive(arch: str, value, c: dict) -> None:
+    """What llama.cpp's llama refuses: RoPE on part of each head (its ``load_hparams``)."""
+    head_dim = c["head_dim"] or c["hidden_size"] // c["num_attention_heads"]
+    rotated = value("rope.dimension_count", int, head_dim)
+    if arch == "llama" and rotated != head_dim:
+        raise _gguf.FieldError(f"rope.dimension_count is {rotated}, not the head size {head_dim}: RoPE on part of "
+                               f"each head is not supported (llama.cpp's llama refuses it too)")
+
+
+# llama.cpp's names (Mistral is its llama); its converter interleaves a Llama's q/k rows for its RoPE (not Qwen's)
+GGUF = _gguf.Names({"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"},
+                   in_block={**_gguf.IN_BLOCK, "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"},
+                   interleaved=frozenset({"llama"}), derive=_derive)
 
 
 @_config.naming_the_file

@@ -7,11 +7,15 @@ the cast back; a SwiGLU MLP; an untied head.
 
 Weights: as Llama's, with ``post_attention_layernorm`` -> ``post_ln_1`` and
 ``post_feedforward_layernorm`` -> ``post_ln_2``.
+
+GGUF (llama.cpp's architecture olmo2, :data:`GGUF`): the tensors as they are, the norms named
+``post_attention_norm`` and ``post_ffw_norm``. A sliding window (an OLMo 3 file, which llama.cpp's olmo2
+reads too) is refused: this family has none.
 """
 from __future__ import annotations
 
 from selfattn.config import GPTConfig
-from selfattn.families import _config, _names, llama
+from selfattn.families import _config, _gguf, _names, llama
 
 MODEL_TYPES = ("olmo2",)
 
@@ -19,6 +23,22 @@ _DEFAULTS = dict(num_key_value_heads=None, hidden_act="silu", max_position_embed
                  tie_word_embeddings=False, attention_bias=False, rope_theta=10000.0)  # transformers' Olmo2Config
 LAYER = llama.LAYER
 IN_LAYER = {**llama.IN_LAYER, "post_ln_1": "post_attention_layernorm", "post_ln_2": "post_feedforward_layernorm"}
+
+
+def _derive(arch: str, value, c: dict) -> None:
+    """Refuse what llama.cpp's olmo2 reads beyond OLMo 2: a sliding window (OLMo 3's)."""
+    window = value("attention.sliding_window", int, None)
+    if window:
+        raise _gguf.FieldError(f"attention.sliding_window is {window}: OLMo 3's sliding layers are not supported")
+
+
+GGUF = _gguf.Names({"olmo2": "olmo2"},
+                   in_block={"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+                             "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
+                             "attn_k_norm": "self_attn.k_norm", "post_attention_norm": "post_attention_layernorm",
+                             "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+                             "post_ffw_norm": "post_feedforward_layernorm"},
+                   derive=_derive)
 
 
 @_config.naming_the_file

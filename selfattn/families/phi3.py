@@ -5,11 +5,18 @@ and gate and up as ``gate_up_proj`` (gate's rows first, ours too); RoPE on the f
 ``partial_rotary_factor`` of each head, scaled by ``longrope`` (short factors up to
 ``original_max_position_embeddings``, long ones beyond) in the long-context models; a sliding
 window over every layer when ``sliding_window`` is set; an untied head.
+
+GGUF (llama.cpp's architecture phi3, :data:`GGUF`): the fused projections keep their layout (``attn_qkv``,
+``ffn_up`` of gate then up); the converter writes the rotated channels (``rope.dimension_count``), LongRoPE's
+factors as two tensors (``rope_factors_long``, ``rope_factors_short``) with ``rope.scaling.attn_factor`` and
+``rope.scaling.original_context_length``. What llama.cpp cannot represent: the sliding window (its phi3 reads
+``attention.sliding_window`` and turns it off); it takes the long factors when its context is longer than
+the original, where ``transformers`` (and this library) looks at the sequence.
 """
 from __future__ import annotations
 
 from selfattn.config import GPTConfig
-from selfattn.families import _config, _names, llama
+from selfattn.families import _config, _gguf, _names, llama
 
 MODEL_TYPES = ("phi3",)
 
@@ -18,6 +25,19 @@ _DEFAULTS = dict(num_key_value_heads=None, hidden_act="silu", max_position_embed
                  rope_theta=10000.0, sliding_window=None)  # what transformers' Phi3Config assumes
 LAYER = llama.LAYER
 IN_LAYER = {**llama.IN_LAYER, "attn.qkv": "self_attn.qkv_proj", "mlp.gate_up_proj": "mlp.gate_up_proj"}
+
+
+def _derive(arch: str, value, c: dict) -> None:
+    """llama.cpp's phi3: no sliding window whatever the file says; LongRoPE's original length (its own key)."""
+    c["sliding_window"] = None
+    c["original_max_position_embeddings"] = value("rope.scaling.original_context_length", int,
+                                                  c["max_position_embeddings"])
+
+
+GGUF = _gguf.Names({"phi3": "phi3"}, in_block={"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+                                               "attn_qkv": "self_attn.qkv_proj", "attn_output": "self_attn.o_proj",
+                                               "ffn_up": "mlp.gate_up_proj", "ffn_down": "mlp.down_proj"},
+                   derive=_derive)
 
 
 @_config.naming_the_file

@@ -28,17 +28,17 @@ def block(arch: str, sizes: dict) -> dict:
     return FAMILIES[arch].arch(arch, sizes)
 
 
-def folder_config(config: GPTConfig) -> tuple[str, dict] | None:
-    """(model_type, config.json dict) of the first of :data:`ARCHS` that says all of ``config``;
-    None when none does."""
-    for model_type in ARCHS:
+def folder_config(config: GPTConfig, archs: tuple[str, ...] = ARCHS) -> tuple[str, dict] | None:
+    """(model_type, config.json dict) of the first of ``archs`` (of :data:`ARCHS`) that says all of
+    ``config``; None when none does."""
+    for model_type in archs:
         family = FAMILIES[model_type]
         hf = family.hf_config(config, model_type)
         try:
             back = family.config(hf, model_type)
         except (TypeError, ValueError):
             continue
-        if _computes(back) == _computes(config):
+        if computes(back) == computes(config):
             return model_type, hf
     return None
 
@@ -58,7 +58,7 @@ def folder_tensors(model_type: str, model: GPT) -> dict[str, Tensor]:
     return {name: t.contiguous() for name, t in out.items()}
 
 
-def _computes(config: GPTConfig) -> dict:
+def computes(config: GPTConfig) -> dict:
     """What ``config`` computes, each layer's window and RoPE spelled out, defaults filled in, the
     fields that change no result (backend, dropout) left out."""
     c = config

@@ -589,3 +589,12 @@ def test_serving_refuses_bad_settings_and_says_why_a_server_did_not_start(tmp_pa
     with pytest.raises(OSError, match="exited with status 3: no model here"):
         with serving._launched("broken", argv, serving._free_port(), start_s=30.0):
             pass
+
+
+def test_loading_quick_run_times_ours_beside_llama_cpp_and_writes_json_and_plot(tmp_path):
+    assert bench(["loading", "--quick", "--threads", "1", "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "loading.json").read_text())
+    assert (tmp_path / "loading.png").stat().st_size > 5_000
+    (row,) = result["results"]
+    assert row["model"] == "SmolLM2-135M Q4_1" and 0 < row["load_s"] <= row["ready_s"] and row["llama_cpp_s"] > 0
+    assert result["llama_missing"] is None and [t["status"] for t in result["targets"]] in (["PASS"], ["MISS"])

@@ -30,12 +30,3 @@ def gemma3_f32() -> Path:
         assert done.returncode == 0, done.stderr.decode(errors="replace")[-2000:]
         part.rename(F32)
     return F32
-
-
-def complete(model: Path, prompt: str, tokens: int) -> str:
-    """llama.cpp's greedy continuation of ``prompt`` (its text, the prompt not repeated)."""
-    command = [str(program("llama-completion")), "-m", str(model), "-p", prompt, "-n", str(tokens), "--temp", "0",
-               "-no-cnv", "--no-display-prompt", "-t", "2", "--seed", "0", "--no-warmup", "-c", "1024"]
-    done = subprocess.run(command, capture_output=True, timeout=300)
-    assert done.returncode == 0, done.stderr.decode(errors="replace")[-2000:]
-    return done.stdout.decode()

@@ -47,12 +47,43 @@ def source(path: str) -> Path:
     return SOURCE / path
 
 
-def convert(folder: Path, out: Path) -> Path:
-    """The GGUF file (float32 tensors) that llama.cpp's own converter, ``convert_hf_to_gguf.py``, writes of the
-    ``transformers`` folder ``folder``, at ``out``; run with the source's own ``gguf`` package, offline."""
+# runs the converter on (folder, out) pairs in one process: torch's import and the converter's take most of its time
+_CONVERT_ALL = """
+import os, runpy, sys
+converter, *pairs = sys.argv[1:]
+sys.path.insert(0, os.path.dirname(converter))  # where `python convert_hf_to_gguf.py` finds its package
+for folder, out in zip(pairs[::2], pairs[1::2]):
+    sys.argv = [converter, folder, "--outfile", out, "--outtype", "f32"]
+    try:
+        runpy.run_path(converter, run_name="__main__")
+    except (Exception, SystemExit) as e:  # its sys.exit(1) too: on to the next folder
+        print(f"{folder}: {e!r}", flush=True)  # its log (stderr) says more
+"""
+
+
+def convert(jobs: list[tuple[Path, Path]]) -> str:
+    """For each ``(folder, out)`` of ``jobs``, the GGUF file (float32 tensors) that llama.cpp's own converter,
+    ``convert_hf_to_gguf.py``, writes of the ``transformers`` folder, at ``out``: one after another in one process,
+    with the source's own ``gguf`` package, offline. Returns the folders it failed on and the end of its log, for
+    the message of a test whose folder it did not convert (no file at ``out``)."""
     env = dict(os.environ, PYTHONPATH=str(SOURCE / "gguf-py"), HF_HUB_OFFLINE="1")
-    command = [sys.executable, str(source("convert_hf_to_gguf.py")), str(folder), "--outfile", str(out),
-               "--outtype", "f32"]
-    done = subprocess.run(command, capture_output=True, timeout=300, env=env)
-    assert done.returncode == 0, done.stderr.decode(errors="replace")[-3000:]
-    return out
+    pairs = [str(p) for job in jobs for p in job]
+    done = subprocess.run([sys.executable, "-c", _CONVERT_ALL, str(source("convert_hf_to_gguf.py")), *pairs],
+                          capture_output=True, timeout=600, env=env)
+    return done.stdout.decode(errors="replace") + done.stderr.decode(errors="replace")[-2000:]
+
+
+def complete(path, prompt: str, n: int = 24, context: int = 128) -> bytes:
+    """llama.cpp's greedy continuation of ``prompt`` on the file ``path``: the bytes it prints.
+
+    llama-completion prints through a logging thread that it does not wait for at exit (llama.cpp leaks the
+    logger on purpose, common/log.cpp), so the end of its output is lost in about a third of the runs here:
+    a run is taken once it printed its last line, "\\n\\n" after the text (the thread prints in order)."""
+    command = [str(program("llama-completion")), "-m", str(path), "-p", prompt, "-n", str(n), "--temp", "0",
+               "-no-cnv", "--no-display-prompt", "-t", "2", "--seed", "0", "--no-warmup", "-c", str(context)]
+    for _ in range(20):
+        done = subprocess.run(command, capture_output=True, timeout=120)
+        assert done.returncode == 0, done.stderr.decode(errors="replace")[-2000:]
+        if done.stdout.endswith(b"\n\n"):
+            return done.stdout[:-2]
+    raise AssertionError(f"llama-completion lost the end of its output 20 times: {done.stdout!r}")

@@ -1,0 +1,344 @@
+"""Our decoder and its tokenizer as a GGUF file that llama.cpp runs, written with the ``gguf`` package
+(llama.cpp's own writer): the inverse of :mod:`selfattn.io.formats.gguf` and :mod:`selfattn.tokenizers.gguf`.
+
+The architecture is that of the first family of :data:`selfattn.families.writing.ARCHS` that declares llama.cpp's
+names (its ``GGUF``, :mod:`selfattn.families._gguf`) and whose ``config.json`` says all of the model
+(:func:`selfattn.families.writing.folder_config`); :func:`architecture` says which. By that declaration, inverted:
+
+- metadata: each declared field ``<arch>.<field>`` from the ``config.json`` key it is read into (the RoPE
+  base from ``rope_parameters``, the global layers' where each kind of layer has its own), ``vocab_size``,
+  ``attention.value_length`` beside ``key_length``; and what llama.cpp reads under its own generic keys, so
+  that no rule has to derive it: the window (``attention.sliding_window``), which layers slide
+  (``attention.sliding_window_pattern``, a bool a layer), the sliding layers' RoPE base
+  (``rope.freq_base_swa``), the soft-caps (``attn_logit_softcapping``, ``final_logit_softcapping``), a
+  linear or YaRN RoPE scaling (``rope.scaling.*``; Llama 3's rule is the tensor ``rope_freqs``);
+- tensors under llama.cpp's names (a tied head written once, as ``token_embd``; a tensor the architecture has
+  no place for in ``gguf``'s table of llama.cpp's tensors is refused: Gemma 2's untied head), the norm offset
+  added to every norm weight (Gemma's ``1 + w``), the q/k rows (and biases) of an ``interleaved``
+  architecture permuted as llama.cpp's converter permutes them for its RoPE (Llama's);
+- each matrix in the type asked for (:data:`TYPES`: F32, F16, BF16 or Q8_0, quantised by ``gguf.quants``;
+  a Q8_0 matrix whose rows are no whole blocks of 32 is F16, as the converter does), every 1-D tensor
+  (norms, biases) in F32;
+- the tokenizer: a GGUF source's ``tokenizer.*`` fields copied as they are; else written from ours: the
+  byte tokenizer as a ``gpt2`` BPE of the 256 bytes without merges (id = byte); a byte-level BPE as
+  ``gpt2`` with its merges, its control tokens typed so, and ``tokenizer.ggml.pre`` the llama.cpp
+  pre-tokenizer that splits text as its pre-tokenizer does (:data:`PRE_TOKENIZERS`; another is refused); a
+  SentencePiece tokenizer as ``llama`` with its scores and types. A vocabulary shorter than the model's
+  is padded with ``[PADi]`` tokens of type unused, as the converter pads. Either way ``add_bos_token`` and
+  ``add_eos_token`` say what our tokenizer puts around a prompt, and the bos, eos (a second one as the
+  end-of-turn token) and chat template given are written.
+
+A model no declared family says, or a tokenizer llama.cpp would split otherwise, is one ValueError naming
+what is missing. What the fields cannot carry (LongRoPE, say) is not checked here: read the file
+back and compare (:mod:`selfattn.io.gguf_export` does).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from selfattn.families import FAMILIES, writing
+from selfattn.families._gguf import REQUIRED
+from selfattn.model import GPT
+from selfattn.rope import rope_frequencies
+from selfattn.tokenizers import BPETokenizer, ByteTokenizer, SentencePieceTokenizer
+from selfattn.tokenizers.bpe import BYTE_LEVEL, bytes_to_unicode
+
+TYPES = ("f32", "f16", "bf16", "q8_0")  # the tensor types a file is written in
+_PROBE = "a"  # a text whose ids show what a tokenizer puts around a prompt
+# Hugging Face's pre-tokenizer regexes that llama.cpp has an equal of (src/llama-vocab.cpp quotes them)
+_LLAMA3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+           r"\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2 = _LLAMA3.replace(r"\p{N}{1,3}", r"\p{N}")
+# a tokenizer.json pre-tokenizer, as its steps (see _steps) -> llama.cpp's tokenizer.ggml.pre that splits alike
+PRE_TOKENIZERS = {
+    (("ByteLevel", True, False),): "gpt-2",
+    (("Digits", True), ("ByteLevel", True, False)): "smollm",
+    (("Split", _LLAMA3, "Isolated", False), ("ByteLevel", False, False)): "llama-bpe",
+    (("Split", _QWEN2, "Isolated", False), ("ByteLevel", False, False)): "qwen2",
+}
+# the tokenizer fields of a GGUF source copied into the file (by gguf's names), when it has them
+_COPIED = ("MODEL", "PRE", "LIST", "TOKEN_TYPE", "SCORES", "MERGES", "BOS_ID", "EOS_ID", "EOT_ID", "EOM_ID", "UNK_ID",
+           "SEP_ID", "PAD_ID", "MASK_ID", "ADD_BOS", "ADD_EOS", "ADD_SEP", "ADD_PREFIX", "REMOVE_EXTRA_WS",
+           "CHAT_TEMPLATE")
+
+
+@dataclass
+class Written:
+    """What :func:`write` wrote."""
+    architecture: str  # general.architecture, llama.cpp's name
+    model_type: str  # the transformers family it is (its config.json's model_type)
+    types: dict[str, int]  # tensor type -> how many tensors are of it ("F32": 5, "Q8_0": 9)
+    tokenizer: str  # tokenizer.ggml.model, and its pre-tokenizer where it has one: "gpt2 (pre gpt-2)"
+
+
+def architecture(config) -> tuple[str, str, dict]:
+    """(llama.cpp's architecture, the family's model_type, its ``config.json`` dict) that says all of
+    ``config`` (a :class:`~selfattn.model.GPTConfig`); a ValueError naming the families tried when none does."""
+    declared = {model_type: arch for family in dict.fromkeys(FAMILIES.values()) if hasattr(family, "GGUF")
+                for arch, model_type in family.GGUF.architectures.items()}
+    archs = tuple(a for a in writing.ARCHS if a in declared)
+    found = writing.folder_config(config, archs)
+    if found is None:
+        raise ValueError(f"llama.cpp runs none of the families that could say this model: no family of "
+                         f"{', '.join(archs)} (those with llama.cpp's names) computes it, so no GGUF file says it"
+                         + ("; a GPT-2-shaped model (learned positions, LayerNorm, GELU) is not written to GGUF: train "
+                            "with --arch llama" if config.pos == "learned" else ""))
+    return declared[found[0]], found[0], found[1]
+
+
+def write(gpt: GPT, tokenizer, path: str | os.PathLike, *, type: str = "f32", bos: int | None = None,
+          eos: tuple[int, ...] = (), chat_template: str | None = None,
+          source: str | os.PathLike | None = None) -> Written:
+    """Write ``gpt`` and ``tokenizer`` to the GGUF file ``path`` (see the module docstring), its matrices in
+    ``type`` (one of :data:`TYPES`), ``bos``, ``eos`` and ``chat_template`` its special tokens and template;
+    ``source``: where the model came from, whose ``tokenizer.*`` fields are copied when it is a GGUF file."""
+    try:
+        import gguf
+    except ImportError as e:
+        raise ImportError("writing a GGUF file needs the 'gguf' package: pip install 'selfattn[gguf]'") from e
+
+    if type not in TYPES:
+        raise ValueError(f"unknown GGUF tensor type {type!r}; choose one of {', '.join(TYPES)}")
+    if not isinstance(gpt, GPT):
+        raise TypeError(f"write expects a selfattn GPT, got {gpt.__class__.__name__}")
+    arch, model_type, hf = architecture(gpt.config)
+    names = FAMILIES[model_type].GGUF
+    vocab = gpt.config.vocab_size
+    fields = _copied(source) if _is_gguf(source) else _tokenizer_fields(tokenizer, vocab)
+    fields |= _around(tokenizer) | _special(bos, eos, chat_template)
+    qtype = gguf.GGMLQuantizationType[type.upper()]
+    w = _writer(str(path), arch)
+    w.add_file_type({"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
+                     "bf16": gguf.LlamaFileType.MOSTLY_BF16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[type])
+    w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    for key, value in _metadata(arch, names, hf, gpt.config).items():
+        w.add_key_value(key, value, _value_type(value), _value_type(value[0]) if isinstance(value, list) else None)
+    for key, value in fields.items():
+        w.add_key_value(key, value, *_tokenizer_type(value))
+    types = {}
+    for name, a in _tensors(arch, names, model_type, gpt).items():
+        kind = gguf.GGMLQuantizationType.F32 if a.ndim == 1 else qtype
+        if kind == gguf.GGMLQuantizationType.Q8_0 and a.shape[-1] % gguf.GGML_QUANT_SIZES[kind][0]:
+            kind = gguf.GGMLQuantizationType.F16  # rows of no whole blocks: F16, as llama.cpp's converter does
+        w.add_tensor(name, gguf.quants.quantize(a, kind), raw_dtype=kind)
+        types[kind.name] = types.get(kind.name, 0) + 1
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    pre = fields.get(gguf.Keys.Tokenizer.PRE)
+    return Written(arch, model_type, types, fields[gguf.Keys.Tokenizer.MODEL] + (f" (pre {pre})" if pre else ""))
+
+
+def _metadata(arch: str, names, hf: dict, config) -> dict:
+    """The model's metadata fields, ``<arch>.<field>`` -> value (see the module docstring)."""
+    rope = hf.get("rope_parameters") or {}
+    flat = {**rope.get("full_attention", rope), **hf}  # the RoPE base beside the sizes, as the declaration reads it
+    out = {}
+    for key, (field, kind, default) in names.fields.items():
+        if flat.get(key) is None:
+            if default is REQUIRED:
+                raise ValueError(f"llama.cpp's {arch} needs {arch}.{field}, and the model's config.json has no {key}")
+            continue
+        out[f"{arch}.{field}"] = kind(flat[key])
+    if f"{arch}.attention.key_length" in out:
+        out[f"{arch}.attention.value_length"] = out[f"{arch}.attention.key_length"]
+    out[f"{arch}.vocab_size"] = config.vocab_size
+    c = config
+    slides = [c.layer_window(i) is not None for i in range(c.n_layer)]
+    generic = {"attention.sliding_window": c.window, "rope.freq_base_swa": c.window_rope_base,
+               "attn_logit_softcapping": c.softcap, "final_logit_softcapping": c.logit_softcap,
+               "attention.sliding_window_pattern": slides if c.window else None,
+               **_rope_scaling(c.rope_scaling or {})}
+    return out | {f"{arch}.{field}": value for field, value in generic.items() if value is not None}
+
+
+def _rope_scaling(s: dict) -> dict:
+    """llama.cpp's fields of a RoPE scaling rule: linear, or YaRN (its attention factor as a multiple of
+    llama.cpp's own, 0.1 ln(factor) + 1). Another rule writes none here (Llama 3's is a tensor; LongRoPE's
+    is not written: the file reads back as another model)."""
+    kind, factor = s.get("rope_type"), s.get("factor")
+    if kind == "linear":
+        return {"rope.scaling.type": "linear", "rope.scaling.factor": float(factor)}
+    if kind != "yarn":
+        return {}
+    attention = s.get("attention_factor")
+    return {"rope.scaling.type": "yarn", "rope.scaling.factor": float(factor),
+            "rope.scaling.original_context_length": s["original_max_position_embeddings"],
+            "rope.scaling.attn_factor": None if attention is None else attention / (0.1 * math.log(factor) + 1)}
+
+
+def _tensors(arch: str, names, model_type: str, gpt: GPT) -> dict:
+    """llama.cpp's name -> the tensor as a float32 numpy array, as the file holds it (offset, rows permuted),
+    and Llama 3's RoPE rule as ``rope_freqs`` (each frequency's divisor, as the converter writes it); a
+    ValueError for a tensor llama.cpp's architecture has no place for (by ``gguf``'s table of its tensors)."""
+    import gguf
+    import numpy as np
+
+    known = {gguf.TENSOR_NAMES[t] for t in gguf.MODEL_TENSORS[{v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}[arch]]}
+    outside = {hf: ours for ours, hf in names.outside.items()}
+    in_block = {hf: ours for ours, hf in names.in_block.items()}
+    layer = re.compile(re.escape(names.layer).replace(re.escape("{i}"), r"(\d+)") + r"(.+)\.([^.]+)")
+    config = gpt.config
+    heads = {"attn_q": config.n_head, "attn_k": config.n_kv_head or config.n_head}
+    out = {}
+    for hf_name, tensor in writing.folder_tensors(model_type, gpt).items():
+        match = layer.fullmatch(hf_name)
+        name = outside.get(hf_name) or (match and match[2] in in_block and f"blk.{match[1]}.{in_block[match[2]]}."
+                                                                          f"{match[3]}")
+        if not name or re.sub(r"^blk\.\d+\.", "blk.{bid}.", name.rpartition(".")[0]) not in known:
+            raise ValueError(f"llama.cpp's {arch} has no tensor for the model's {hf_name}"
+                             + (f" ({name})" if name else "") + ", so no GGUF file of it says this model")
+        a = tensor.detach().to("cpu", copy=True).float().numpy()
+        module = name.split(".")[-2]
+        if arch in names.interleaved and module in heads:
+            a = _interleave(a, heads[module])
+        if names.norm_offset and name.endswith("norm.weight"):
+            a += np.float32(names.norm_offset)
+        out[name] = a
+    if (config.rope_scaling or {}).get("rope_type") == "llama3":  # Llama 3's rule: a divisor per frequency
+        if "rope_freqs" not in known:
+            raise ValueError(f"llama.cpp's {arch} has no rope_freqs tensor for the model's Llama 3 RoPE rule")
+        rotated = config.rope_dims or config.head_dim or config.n_embd // config.n_head
+        out["rope_freqs.weight"] = (rope_frequencies(rotated, config.rope_base)[0] /
+                                    rope_frequencies(rotated, config.rope_base, config.rope_scaling)[0]).float().numpy()
+    return out
+
+
+def _interleave(a, heads: int):
+    """llama.cpp's converter's permutation of q or k rows (its ``LlamaModel.permute``): per head, the rows
+    of the two RoPE halves interleaved."""
+    return a.reshape(heads, 2, a.shape[0] // heads // 2, *a.shape[1:]).swapaxes(1, 2).reshape(a.shape)
+
+
+def _tokenizer_fields(tokenizer, vocab: int) -> dict:
+    """The ``tokenizer.*`` fields of ``tokenizer`` for a model of ``vocab`` tokens (see the module docstring)."""
+    import gguf
+
+    K, T = gguf.Keys.Tokenizer, gguf.TokenType
+    if tokenizer.vocab_size > vocab:
+        raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model only vocab_size={vocab}")
+    pad = vocab - tokenizer.vocab_size
+    if isinstance(tokenizer, SentencePieceTokenizer):
+        spec = tokenizer.spec()
+        return {K.MODEL: "llama", K.LIST: spec["tokens"] + _pads(tokenizer.vocab_size, vocab),
+                K.SCORES: [float(s) for s in spec["scores"]] + [-1000.0] * pad,
+                K.TOKEN_TYPE: spec["types"] + [int(T.UNUSED)] * pad, K.ADD_PREFIX: spec["add_space_prefix"]}
+    if isinstance(tokenizer, ByteTokenizer):
+        chars = bytes_to_unicode()
+        tokens, kinds, merges, pre = [chars[b] for b in range(256)], [int(T.NORMAL)] * 256, [], "gpt-2"
+    elif isinstance(tokenizer, BPETokenizer) and tokenizer.scheme == BYTE_LEVEL:
+        spec = json.loads(tokenizer.tok.to_str())
+        pre = PRE_TOKENIZERS.get(_steps(spec.get("pre_tokenizer")))
+        if pre is None:
+            raise ValueError(f"the tokenizer's pre-tokenizer {json.dumps(spec.get('pre_tokenizer'))} splits text as "
+                             f"none of llama.cpp's known ones does ({', '.join(PRE_TOKENIZERS.values())}), so "
+                             f"llama.cpp would tokenize otherwise")
+        by_id = {i: piece for piece, i in tokenizer.tok.get_vocab(with_added_tokens=True).items()}
+        added = tokenizer.tok.get_added_tokens_decoder()
+        tokens = [by_id.get(i, f"[PAD{i}]") for i in range(tokenizer.vocab_size)]
+        kinds = [int((T.CONTROL if added[i].special else T.USER_DEFINED) if i in added else
+                     T.NORMAL if i in by_id else T.UNUSED) for i in range(tokenizer.vocab_size)]
+        merges = [m if isinstance(m, str) else " ".join(m) for m in spec["model"].get("merges", [])]
+    else:
+        raise ValueError(f"a {tokenizer.__class__.__name__} of SentencePiece-style pieces (a Llama 2 tokenizer.json) "
+                         f"is not written to GGUF: llama.cpp reads such a vocabulary with scores")
+    return {K.MODEL: "gpt2", K.PRE: pre, K.LIST: tokens + _pads(len(tokens), vocab),
+            K.TOKEN_TYPE: kinds + [int(T.UNUSED)] * pad, K.MERGES: merges}
+
+
+def _pads(start: int, end: int) -> list[str]:
+    return [f"[PAD{i}]" for i in range(start, end)]
+
+
+def _steps(pre: dict | None) -> tuple:
+    """A tokenizer.json pre-tokenizer as the steps that say how it splits text (a key of :data:`PRE_TOKENIZERS`)."""
+    steps = (pre or {}).get("pretokenizers", [pre]) if (pre or {}).get("type") == "Sequence" else [pre]
+    out = []
+    for s in steps:
+        s = s or {}
+        kind = s.get("type")
+        out.append((kind, s.get("use_regex", True), s.get("add_prefix_space", True)) if kind == "ByteLevel" else
+                   (kind, s.get("individual_digits", False)) if kind == "Digits" else
+                   (kind, (s.get("pattern") or {}).get("Regex"), s.get("behavior"), s.get("invert", False))
+                   if kind == "Split" else (kind,))
+    return tuple(out)
+
+
+def _around(tokenizer) -> dict:
+    """``add_bos_token`` and ``add_eos_token``: whether ``tokenizer`` puts a token before and after a prompt."""
+    import gguf
+
+    plain, marked = tokenizer.encode(_PROBE), tokenizer.encode(_PROBE, special=True)
+    K = gguf.Keys.Tokenizer
+    return {K.ADD_BOS: marked[:1] != plain[:1], K.ADD_EOS: marked[-1:] != plain[-1:]}
+
+
+def _special(bos: int | None, eos: tuple[int, ...], chat_template: str | None) -> dict:
+    """The fields of the bos, the eos (a second one as the end-of-turn token) and the chat template given."""
+    import gguf
+
+    K = gguf.Keys.Tokenizer
+    given = {K.BOS_ID: bos, K.EOS_ID: eos[0] if eos else None, K.EOT_ID: eos[1] if len(eos) > 1 else None,
+             K.CHAT_TEMPLATE: chat_template}
+    return {key: value for key, value in given.items() if value is not None}
+
+
+def _is_gguf(path) -> bool:
+    if path is None or not Path(path).is_file():
+        return False
+    with open(path, "rb") as f:
+        return f.read(4) == b"GGUF"
+
+
+def _copied(path) -> dict:
+    """The tokenizer fields of the GGUF file ``path`` (those of :data:`_COPIED` it has), as values."""
+    import gguf
+
+    from selfattn.io.formats.gguf import read
+
+    metadata = read(path).metadata
+    keys = [getattr(gguf.Keys.Tokenizer, name) for name in _COPIED]
+    return {key: metadata.value(key) for key in keys if key in metadata}
+
+
+def _value_type(value):
+    import gguf
+
+    V = gguf.GGUFValueType
+    kinds = {bool: V.BOOL, int: V.UINT32, float: V.FLOAT32, str: V.STRING, list: V.ARRAY}
+    if type(value) not in kinds:
+        raise TypeError(f"no GGUF type for the metadata value {value!r}")
+    return kinds[type(value)]
+
+
+def _tokenizer_type(value) -> tuple:
+    """(GGUF type, the type of an array's entries) of a tokenizer field's value, as llama.cpp's converter
+    writes them: ids and counts UINT32, token types INT32, scores FLOAT32; an empty array (a byte
+    vocabulary's merges) of strings."""
+    import gguf
+
+    V = gguf.GGUFValueType
+    if not isinstance(value, list):
+        return _value_type(value), None
+    entry = V.STRING if not value else V.INT32 if _value_type(value[0]) == V.UINT32 else _value_type(value[0])
+    return V.ARRAY, entry
+
+
+def _writer(path: str, arch: str):
+    """``gguf.GGUFWriter`` of ``path``, except that it writes an empty array as GGUF says one (its type, length
+    0), which llama.cpp reads: a byte vocabulary has no merges, and llama.cpp's BPE needs the field."""
+    import gguf
+
+    class Writer(gguf.GGUFWriter):
+        def _pack_val(self, val, vtype, add_vtype, sub_type=None):
+            if vtype == gguf.GGUFValueType.ARRAY and len(val) == 0:  # gguf's own refuses one
+                return (self._pack("I", vtype) if add_vtype else b"") + self._pack("I", sub_type) + self._pack("Q", 0)
+            return super()._pack_val(val, vtype, add_vtype, sub_type)
+
+    return Writer(path, arch)
