@@ -25,7 +25,7 @@ settings, ``run(settings, device, log=...) -> result``, ``report(result) -> text
   SmolLM2's GGUF file, 1, 4 and 16 concurrent streaming chat clients: aggregate tokens/s, time to first
   token and inter-token latency (median, p95);
 - ``loading`` (:mod:`~benchmarks.loading`): SmolLM2's and Gemma 3's GGUF files loaded and ready to generate,
-  ours against llama.cpp's load time, each in fresh processes;
+  ours against llama.cpp's start to first token, each in fresh processes;
 - ``masks`` (:mod:`~benchmarks.masks`): windows, packed documents, padding and plain causal
   at T = 4096 and 16384, every backend and ``auto``'s choice against SDPA with a dense mask and
   compiled FlexAttention;

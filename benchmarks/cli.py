@@ -33,7 +33,7 @@ HELP = {"attention": "attention layers: our backends vs the peers over a T sweep
                    "decode speed and KV cache at a long context",
         "serving": "selfattn serve vs llama.cpp's llama-server under 1, 4 and 16 streaming chat clients: aggregate "
                    "tokens/s, time to first token, inter-token latency",
-        "loading": "SmolLM2's and Gemma 3's GGUF files loaded and ready to generate: ours vs llama.cpp's load time",
+        "loading": "SmolLM2's and Gemma 3's GGUF files loaded and ready to generate: ours vs llama.cpp",
         "masks": "windows, documents, padding: every backend and auto's choice vs dense SDPA and FlexAttention",
         "context-parallel": "ring attention over N local processes vs one: memory per rank, bytes sent, balance",
         "triton": "the Triton kernel on a CUDA GPU: parity at real sizes, TFLOP/s vs SDPA flash and cuDNN",

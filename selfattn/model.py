@@ -223,7 +223,10 @@ class GPT(nn.Module):
     @torch.no_grad()
     def _init_weights(self) -> None:
         """GPT-2: every weight N(0, 0.02), biases 0, norms 1 and 0, and the two residual
-        projections of each block N(0, 0.02 / sqrt(2 * n_layer)), since 2 * n_layer branches add up."""
+        projections of each block N(0, 0.02 / sqrt(2 * n_layer)), since 2 * n_layer branches add up.
+        Nothing on the meta device, whose tensors hold no values (a loader's sizes-only model)."""
+        if self.wte.weight.is_meta:
+            return
         for module in self.modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(module.weight, mean=0.0, std=0.02)
