@@ -1,5 +1,5 @@
 """GGML's quantised blocks to float32, in PyTorch: the types GGUF files mostly hold, vectorised over every
-block at once (and over the CPU's cores), where the ``gguf`` package loops over rows in NumPy.
+block at once (and over the CPU's cores), in place where it can, where the ``gguf`` package loops over rows in NumPy.
 
 :func:`dequantize` reads F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K with the
 arithmetic of ggml's own ``dequantize_row_*`` (``ggml-quants.c``: each scale and minimum made a float32
@@ -78,21 +78,21 @@ def _q8_0(u8: Tensor) -> Tensor:
 
 
 def _q4_0(u8: Tensor) -> Tensor:
-    return _half(u8, 0) * (_nibbles(u8[:, 2:]).float() - 8)
+    return _nibbles(u8[:, 2:]).float().sub_(8).mul_(_half(u8, 0))
 
 
 def _q4_1(u8: Tensor) -> Tensor:
-    return _half(u8, 0) * _nibbles(u8[:, 4:]).float() + _half(u8, 2)
+    return _nibbles(u8[:, 4:]).float().mul_(_half(u8, 0)).add_(_half(u8, 2))
 
 
 def _q5_0(u8: Tensor) -> Tensor:
     q = _nibbles(u8[:, 6:]) | (_fifth_bits(u8[:, 2:6]) << 4)
-    return _half(u8, 0) * (q.float() - 16)
+    return q.float().sub_(16).mul_(_half(u8, 0))
 
 
 def _q5_1(u8: Tensor) -> Tensor:
     q = _nibbles(u8[:, 8:]) | (_fifth_bits(u8[:, 4:8]) << 4)
-    return _half(u8, 0) * q.float() + _half(u8, 2)
+    return q.float().mul_(_half(u8, 0)).add_(_half(u8, 2))
 
 
 def _scales_k(s: Tensor) -> tuple[Tensor, Tensor]:
@@ -107,7 +107,7 @@ def _k_quant(u8: Tensor, q: Tensor) -> Tensor:
     scale, low = _scales_k(u8[:, 4:16])
     d = (_half(u8, 0) * scale.float()).unsqueeze(-1)  # (blocks, 8, 1): a float32 product first, as ggml
     m = (_half(u8, 2) * low.float()).unsqueeze(-1)
-    return (d * q.float().reshape(-1, 8, 32) - m).reshape(-1, 256)
+    return q.float().reshape(-1, 8, 32).mul_(d).sub_(m).reshape(-1, 256)
 
 
 def _k_nibbles(qs: Tensor) -> Tensor:
@@ -131,7 +131,7 @@ def _q6_k(u8: Tensor) -> Tensor:
     high = torch.cat([qh, qh >> 2, qh >> 4, qh >> 6], 2) & 3  # the same order
     q = low | (high << 4)  # value 32 (2 nibble + run) + byte of each half
     scales = u8[:, 192:208].view(torch.int8).float().reshape(-1, 16, 1)  # a scale per 16 values
-    return ((_half(u8, 208).unsqueeze(-1) * scales) * (q.reshape(-1, 16, 16).float() - 32)).reshape(-1, 256)
+    return q.reshape(-1, 16, 16).float().sub_(32).mul_(_half(u8, 208).unsqueeze(-1) * scales).reshape(-1, 256)
 
 
 _BLOCKS = {"Q8_0": _q8_0, "Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1, "Q4_K": _q4_k,
