@@ -249,9 +249,13 @@ def _starts_gguf(path: Path) -> bool:
 _FAMILIES = {"gpt2": _load_gpt2} | dict.fromkeys(families.FAMILIES, _load_family)  # model_type -> loader of its folders
 
 
-def _newline(tokenizer: ByteTokenizer | BPETokenizer) -> int | None:
-    """The first token of "\\n", or None when the tokenizer has no way to write a newline."""
-    ids = tokenizer.encode("\n")
+def _newline(tokenizer) -> int | None:
+    """The first token of "\\n", or None when the tokenizer has no way to write a newline (a SentencePiece
+    vocabulary with neither the character nor its byte token refuses to encode it)."""
+    try:
+        ids = tokenizer.encode("\n")
+    except ValueError:
+        return None
     return ids[0] if ids else None
 
 

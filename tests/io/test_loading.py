@@ -256,3 +256,13 @@ def test_a_non_finite_weight_in_a_run_checkpoint_is_refused(run, tmp_path):
     checkpoint.save(tmp_path, 4, model, torch.optim.AdamW(model.parameters()), meta=header["meta"], keep=1)
     with pytest.raises(ValueError, match=r"NaN or infinite value in blocks.0.mlp.c_fc.weight"):
         loading.load(tmp_path)
+
+
+def test_a_vocabulary_that_cannot_write_a_newline_starts_from_no_token_instead_of_failing_the_load():
+    from selfattn.tokenizers import ByteTokenizer
+    from selfattn.tokenizers.sentencepiece import SentencePieceTokenizer
+
+    no_newline = SentencePieceTokenizer(["a", "\u2581a"], [0.0, 1.0], [1, 1], add_space_prefix=False)
+    with pytest.raises(ValueError, match="no token for"):
+        no_newline.encode("\n")
+    assert loading._newline(no_newline) is None and loading._newline(ByteTokenizer()) == 10
