@@ -30,6 +30,9 @@ from selfattn.model import GPT
 
 FAMILIES = {model_type: family for family in (llama, gemma, phi3, olmo2, bloom, gpt_oss)
             for model_type in family.MODEL_TYPES}
+# llama.cpp's general.architecture -> the model_type it is, as the families declare (their GGUF names)
+GGUF_ARCHITECTURES = {arch: model_type for family in (llama, gemma, phi3, olmo2, bloom, gpt_oss)
+                      for arch, model_type in family.GGUF.architectures.items()}
 
 
 def empty(family, hf: dict, tensors: Mapping[str, Tensor], where: str, config_where: str) -> GPT:

@@ -118,7 +118,7 @@ def export(gpt: GPT, tokenizer: ByteTokenizer | BPETokenizer, out_dir: str | os.
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         hf_model = _gpt2(gpt, special) if family is None else _write_family(gpt, *family, special, tmp)
-        error = _logits_error(gpt, hf_model)
+        error = logits_error(gpt, lambda idx: hf_model(idx).logits)
         _save_quietly(hf_model if family is None else None, hf_tokenizer, tmp)
         files = sorted(p.name for p in tmp.iterdir())
         mode = 0o666 & ~_umask()  # what a plain open() would give: safetensors writes its file 0600
@@ -235,7 +235,9 @@ def _hf_tokenizer(tokenizer, block_size: int, special: Special):
 
 
 @torch.no_grad()
-def _logits_error(gpt: GPT, hf_model) -> float:
+def logits_error(gpt: GPT, exported) -> float:
+    """Max |logit difference| of ``exported`` (``idx (1, T) -> logits (1, T, V)``, on ``gpt``'s device) against
+    ``gpt`` in eval mode, on :data:`PROBE_TOKENS` tokens spread over the vocabulary."""
     T = min(PROBE_TOKENS, gpt.config.block_size)
     idx = (torch.arange(T, device=gpt.wte.weight.device) * 7919 % gpt.config.vocab_size)[None]  # (1, T)
     was = gpt.training
@@ -243,7 +245,7 @@ def _logits_error(gpt: GPT, hf_model) -> float:
         ours = gpt.eval()(idx)[0]
     finally:
         gpt.train(was)
-    return float((hf_model(idx).logits - ours).abs().max())
+    return float((exported(idx).float() - ours.float()).abs().max())
 
 
 def _save_quietly(hf_model, hf_tokenizer, folder: Path) -> None:

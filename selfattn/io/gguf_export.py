@@ -19,7 +19,7 @@ import torch
 
 from selfattn import _files
 from selfattn.families import writing
-from selfattn.io.export import PROBE_TOKENS, Special
+from selfattn.io.export import Special, logits_error
 from selfattn.io.formats import gguf_write
 from selfattn.io.loading import load
 from selfattn.model import GPT
@@ -53,7 +53,7 @@ def export_gguf(gpt: GPT, tokenizer, out: str | os.PathLike, *, type: str = "f32
                   if ours[name] != theirs[name] and not (name == "rope_base" and _same_rope(gpt.config, back.config))]
         if differ:
             raise ValueError(f"llama.cpp's {written.architecture} file cannot say this model: " + "; ".join(differ))
-        error = _logits_error(gpt, back)
+        error = logits_error(gpt, lambda idx: back(idx.cpu())[0].to(idx.device))  # back is on the CPU
     return ExportedGGUF(out, written, type, error, back)
 
 
@@ -78,15 +78,3 @@ def _as_float32(value):
     if isinstance(value, (list, tuple)):
         return type(value)(_as_float32(v) for v in value)
     return float(torch.tensor(value, dtype=torch.float32)) if isinstance(value, float) else value
-
-
-@torch.no_grad()
-def _logits_error(gpt: GPT, back: GPT) -> float:
-    T = min(PROBE_TOKENS, gpt.config.block_size)
-    idx = (torch.arange(T) * 7919 % gpt.config.vocab_size)[None]  # (1, T)
-    was = gpt.training
-    try:
-        ours = gpt.eval()(idx.to(gpt.wte.weight.device))[0].float().cpu()
-    finally:
-        gpt.train(was)
-    return float((back(idx)[0] - ours).abs().max())

@@ -42,17 +42,11 @@ import torch
 from torch import Tensor
 
 from selfattn._validate import one_line
-from selfattn.families import FAMILIES
+from selfattn.families import FAMILIES, GGUF_ARCHITECTURES
 from selfattn.families._gguf import REQUIRED, ROPE_TENSORS, FieldError, rope
 from selfattn.io.formats import ggml_blocks
 
 MAGIC = b"GGUF"
-
-
-def _declared() -> dict:
-    """``general.architecture`` -> the family module that declares it (its ``GGUF`` names)."""
-    return {arch: family for family in dict.fromkeys(FAMILIES.values()) if hasattr(family, "GGUF")
-            for arch in family.GGUF.architectures}
 
 
 @dataclass
@@ -73,11 +67,11 @@ def read(path: str | Path) -> GGUF:
         raise ValueError(f"{path}: not a GGUF file (it starts with {head!r}, not {MAGIC!r})")
     reader = _reader(path)
     metadata = Metadata(reader, path)
-    arch, declared = metadata.value("general.architecture", str), _declared()
-    if arch not in declared:
+    arch = metadata.value("general.architecture", str)
+    if arch not in GGUF_ARCHITECTURES:
         raise ValueError(f"{path}: general.architecture {arch!r} is not supported; this version reads "
-                         f"{', '.join(declared)} GGUF files")
-    names = declared[arch].GGUF
+                         f"{', '.join(GGUF_ARCHITECTURES)} GGUF files")
+    names = FAMILIES[GGUF_ARCHITECTURES[arch]].GGUF
     for t in reader.tensors:
         if not _dequantises(t.tensor_type):
             raise ValueError(f"{path}: tensor {t.name} is of type {t.tensor_type.name}, which gguf cannot "

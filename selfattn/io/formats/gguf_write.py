@@ -41,7 +41,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from selfattn.families import FAMILIES, writing
+from selfattn.families import FAMILIES, GGUF_ARCHITECTURES, writing
 from selfattn.families._gguf import REQUIRED
 from selfattn.model import GPT
 from selfattn.rope import rope_frequencies
@@ -79,8 +79,7 @@ class Written:
 def architecture(config) -> tuple[str, str, dict]:
     """(llama.cpp's architecture, the family's model_type, its ``config.json`` dict) that says all of
     ``config`` (a :class:`~selfattn.model.GPTConfig`); a ValueError naming the families tried when none does."""
-    declared = {model_type: arch for family in dict.fromkeys(FAMILIES.values()) if hasattr(family, "GGUF")
-                for arch, model_type in family.GGUF.architectures.items()}
+    declared = {model_type: arch for arch, model_type in GGUF_ARCHITECTURES.items()}
     archs = tuple(a for a in writing.ARCHS if a in declared)
     found = writing.folder_config(config, archs)
     if found is None:
