@@ -58,6 +58,10 @@ class KVCache:
         """The absolute positions of the keys the last :meth:`append` returned: ``0 .. length - 1``."""
         return torch.arange(self.length, device=self.k.device)
 
+    def advance(self, T: int) -> None:
+        """Count T positions as cached that another writer (the C++ decode kernel) put in their slots."""
+        self.length += T
+
     def reset(self) -> None:
         """Forget every cached position (the memory is kept for reuse)."""
         self.length = 0
@@ -86,7 +90,7 @@ class RollingKVCache:
         self.k = torch.zeros(shape, dtype=dtype, device=device)  # (B, Hkv, n + R, D): sinks, then the ring
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.length = 0  # positions seen so far
-        self._live = torch.zeros(0, dtype=torch.long, device=device)  # positions of the keys last returned
+        self._last = (0, 0)  # the length before the last append and the positions it took
 
     @property
     def max_len(self) -> int | None:
@@ -99,10 +103,9 @@ class RollingKVCache:
         if k.shape != v.shape or k.shape[:2] != self.k.shape[:2] or k.shape[3] != self.k.shape[3]:
             raise ValueError(f"RollingKVCache: expected k, v of shape (B={self.k.shape[0]}, Hkv={self.k.shape[1]}, "
                              f"T, D={self.k.shape[3]}), got {tuple(k.shape)} and {tuple(v.shape)}")
-        n, W, L, T = self.sink_tokens, self.window, self.length, k.shape[2]
+        n, L, T = self.sink_tokens, self.length, k.shape[2]
         device = self.k.device
-        recent_from = min(max(n, L - W + 1), L)  # the oldest cached position still in the first query's window
-        old = torch.cat([torch.arange(min(L, n), device=device), torch.arange(recent_from, L, device=device)])
+        old = self._held(L)
         slots = self._slots(old)
         keys = torch.cat([self.k[:, :, slots], k], dim=2)  # (B, Hkv, S, D)
         values = torch.cat([self.v[:, :, slots], v], dim=2)
@@ -110,9 +113,15 @@ class RollingKVCache:
         keep = new[(new < n) | (new >= L + T - self.ring)]  # only the last R (and sinks) survive the wrap
         self.k[:, :, self._slots(keep)] = k[:, :, keep - L]
         self.v[:, :, self._slots(keep)] = v[:, :, keep - L]
-        self.length = L + T
-        self._live = torch.cat([old, new])
+        self.length, self._last = L + T, (L, T)
         return keys, values
+
+    def _held(self, length: int) -> Tensor:
+        """The cached positions a query at ``length`` sees: the sinks, then those in its window."""
+        n, device = self.sink_tokens, self.k.device
+        recent_from = min(max(n, length - self.window + 1), length)  # the oldest position in the window
+        sinks = torch.arange(min(length, n), device=device)
+        return torch.cat([sinks, torch.arange(recent_from, length, device=device)])
 
     def _slots(self, positions: Tensor) -> Tensor:
         """The slot of each absolute position: a sink's own slot, else its place in the ring."""
@@ -120,12 +129,19 @@ class RollingKVCache:
         return torch.where(positions < n, positions, n + (positions - n) % self.ring)
 
     def positions(self) -> Tensor:
-        """The absolute positions of the keys the last :meth:`append` returned, in their order."""
-        return self._live
+        """The absolute positions of the keys the last :meth:`append` returned, in their order (those
+        still cached after a :meth:`truncate`)."""
+        L, T = self._last
+        live = torch.cat([self._held(L), torch.arange(L, L + T, device=self.k.device)])
+        return live[live < self.length]
+
+    def advance(self, T: int) -> None:
+        """Count T positions as cached that another writer (the C++ decode kernel) put in their slots
+        (:meth:`_slots`), as an :meth:`append` of them would have."""
+        self.length, self._last = self.length + T, (self.length, T)
 
     def reset(self) -> None:
-        self.length = 0
-        self._live = self._live[:0]
+        self.length, self._last = 0, (0, 0)
 
     def truncate(self, length: int) -> None:
         """Forget every position from ``length`` on. The next query, at ``length``, needs the
@@ -143,7 +159,6 @@ class RollingKVCache:
                              f"rollback={self.rollback} slots holds only {held_from} on; allocate rollback >= "
                              f"{L - length - 1}")
         self.length = length
-        self._live = self._live[self._live < length]
 
     def __repr__(self) -> str:
         B, Hkv, _, D = self.k.shape

@@ -42,8 +42,12 @@ afresh.
 Each model compiles its own copies (:func:`selfattn.generation._compiling.compile_own`): the graphs are
 kept per code object. Compiling takes seconds for a small model and tens of seconds
 for SmolLM2 (once per model, dtype and batch size in a process; torch.compile's cache on disk
-shortens it in later processes), so it is opt-in. A model with a sliding-window layer is refused:
-its rolling cache picks the slots it keeps by value, which the graph cannot follow.
+shortens it in later processes), so it is opt-in.
+
+A model with a sliding-window layer has no graphs: its rolling cache picks the slots it keeps by value,
+which a graph cannot follow. The kernel serves its steps (it computes each slot); a step it does not
+serve (a padded batch, more tokens than a rolling cache rolls back) runs eagerly, and where the kernel
+serves none (it did not build, a mixture of experts) the model is refused.
 """
 from __future__ import annotations
 
@@ -90,13 +94,20 @@ def _compile(fn, name: str):
     return compile_own(fn, name, options={"guard_filter_fn": _guards, "size_asserts": False})
 
 
-def unsupported(model: GPT) -> str | None:
-    """Why ``model``'s decoding cannot be compiled (None when it can)."""
+def graphless(model: GPT) -> str | None:
+    """Why ``model``'s decoding cannot be compiled into graphs (None when it can)."""
     windowed = [i for i, block in enumerate(model.blocks) if block.attn.window is not None]
     if windowed:
         return (f"layer {windowed[0]} slides over a window of {model.blocks[windowed[0]].attn.window} keys: its "
                 f"rolling cache chooses the slots it keeps by value, which a compiled graph cannot follow")
     return None
+
+
+def unsupported(model: GPT) -> str | None:
+    """Why ``model``'s decoding cannot be compiled at all, into graphs or the kernel's steps (None when it can)."""
+    no_graphs = graphless(model)
+    no_kernel = no_graphs and kernel_step.unsupported(model)
+    return no_kernel and f"{no_graphs}, and the decode kernel cannot run it either ({no_kernel})"
 
 
 def compile_decode(model: GPT) -> GPT:
@@ -105,14 +116,16 @@ def compile_decode(model: GPT) -> GPT:
     - the weights laid out for decoding (:func:`~selfattn.generation.layout.decode_layout`, by its
       rule, unless the model was laid out or quantised already);
     - each decoded token one call of the C++ decode kernel where it serves the model
-      (:mod:`selfattn.generation.kernel_step`: pre-norm decoders, Llama's or GPT-2's, on the CPU),
-      else one ``torch.compile`` graph of the embedding, every block and the head, which serves
-      every later step and generation; speculative decoding's drafts and verifications run through
-      compiled graphs of their own (or the kernel).
+      (:mod:`selfattn.generation.kernel_step`: every family but gpt-oss, on the CPU), else one
+      ``torch.compile`` graph of the embedding, every block and the head, which serves every later
+      step and generation; speculative decoding's drafts and verifications run through compiled
+      graphs of their own (or the kernel). A model with a sliding-window layer has no graphs: the
+      steps the kernel does not serve run eagerly (the module docstring says why).
 
     The first generation compiles the graphs (seconds; tens of seconds for a 135M model). The same
     tokens as eager decoding in float32; in half precision a fused graph rounds less often, so a
-    near-tie may break the other way. A ValueError for a model with a sliding-window layer."""
+    near-tie may break the other way. A ValueError for a model with a sliding-window layer that the
+    kernel cannot run."""
     if not isinstance(model, GPT):
         raise TypeError(f"compile_decode needs a selfattn GPT, got {type(model).__name__}")
     why = unsupported(model)
@@ -134,7 +147,8 @@ class CompiledDecode(Steps):
     """A model's decoding compiled: :meth:`step`, one token's next logits, :meth:`logits`, every
     token's through the whole model, and :meth:`hidden`, tokens through a range of its blocks
     (speculative decoding's drafts and verifications). ``kernel``: the decode kernel's steps where
-    it serves the model, else None."""
+    it serves the model, else None; ``graphs``: whether the rest compiles into graphs (else it runs
+    eagerly: a model with a sliding-window layer)."""
     spare = 1  # a cache slot its graphs never fill (the module docstring says why)
 
     def __init__(self, model: GPT):
@@ -142,6 +156,7 @@ class CompiledDecode(Steps):
         self.number, self.runs, self.decided = next(_models), {}, set()
         self._step = _compile(next_logits, f"decode_step_{self.number}")
         self.kernel = kernel_step.KernelStep(model) if kernel_step.unsupported(model) is None else None
+        self.graphs = graphless(model) is None
 
     def _decide(self) -> None:
         """What a graph decides by measuring, measured before it is traced for the model's dtype:
@@ -153,10 +168,12 @@ class CompiledDecode(Steps):
             self.decided.add(w.dtype)
 
     def step(self, idx: Tensor, mask: Tensor | None, cache: Sequence[KVCache], past: int) -> Tensor:
-        """Logits ``(B, V)`` after ``idx`` ``(B, 1)``, compiled: by the decode
-        kernel where it serves the model and the step (:mod:`selfattn.generation.kernel_step`), else a graph."""
-        if self.kernel is not None and self.kernel.serves(mask, cache):
+        """Logits ``(B, V)`` after ``idx`` ``(B, T)``, compiled: by the decode kernel where it serves the
+        model and the step (:mod:`selfattn.generation.kernel_step`), else a graph (or eagerly)."""
+        if self.kernel is not None and self.kernel.serves(mask, cache, idx.shape[1]):
             return self.kernel(idx, cache, past)[:, -1]
+        if not self.graphs:
+            return super().step(idx, mask, cache, past)
         self._decide()
         with _compiling():
             return self._step(self.model, idx, mask, cache, past)
@@ -164,14 +181,16 @@ class CompiledDecode(Steps):
     def logits(self, idx: Tensor, mask: Tensor | None, cache: Sequence[KVCache], past: int) -> Tensor:
         """Logits ``(B, T, V)`` of every token of ``idx`` ``(B, T)`` through the whole model (a speculative
         verification): by the decode kernel where it serves, else :meth:`hidden`'s graph and the head."""
-        if self.kernel is not None and self.kernel.serves(mask, cache):
+        if self.kernel is not None and self.kernel.serves(mask, cache, idx.shape[1]):
             return self.kernel(idx, cache, past)
         return self.model.logits(self.hidden(idx, mask, cache, past))
 
     def hidden(self, idx: Tensor | None, mask: Tensor | None, cache: Sequence[KVCache], past: int, *,
                start: int = 0, stop: int | None = None, x: Tensor | None = None) -> Tensor:
         """``GPT.hidden`` of blocks ``start .. stop - 1``, ``(B, T, C)``, compiled: one function
-        per range of blocks, so that each has torch.compile's recompile limit to itself."""
+        per range of blocks, so that each has torch.compile's recompile limit to itself (eager without graphs)."""
+        if not self.graphs:
+            return super().hidden(idx, mask, cache, past, start=start, stop=stop, x=x)
         run = self.runs.get((start, stop))
         if run is None:
             run = self.runs[start, stop] = _compile(_run, f"decode_run_{self.number}_{start}_{stop}")

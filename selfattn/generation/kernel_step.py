@@ -1,5 +1,5 @@
-"""A decode step of a pre-norm decoder (Llama's, GPT-2's and the families between) as one C++
-call (``kernels/decode.cpp``, built with :mod:`selfattn.kernels.stream`), for
+"""A decode step of a decoder (Llama's, GPT-2's, Gemma's and the families between) as one C++ call
+(``kernels/decode.cpp``, built with :mod:`selfattn.kernels.stream`), for
 :func:`~selfattn.generation.compile_decode` on the CPU.
 
 A compiled graph (:mod:`selfattn.generation.compiled`) still pays per step for what surrounds its
@@ -11,19 +11,23 @@ one before (ten a layer); the norms, the rotation and the additions are a few th
 by one thread between two barriers. It is faster than the graph's step at batch 1 and 8 (the A/B
 runs: ``docs/benchmarks.md``, "How the EPYC's batch-1 decode got here").
 
-The model it serves: every block ``x + attn(norm(x))``, ``x + mlp(norm(x))``, the norms all RMSNorm
-(without offset) or all LayerNorm (with or without bias), of one epsilon; RoPE (any rule but
-longrope, one for every layer), learned positions or neither; grouped kv heads; no window and no
-other score rule; an MLP ``down(act(gate) * up)`` or ``down(act(up))`` with SiLU or GELU (exact
-or tanh); biases on any matrix; no embedding norm or scale, no logit cap; every matrix multiplied
-by the stream kernel (:func:`selfattn.generation.layout.decode_layout`'s ``stream`` form, its rule
-wherever the kernel builds, or int8 from :func:`selfattn.generation.int8.quantize_int8`): the kernel
-runs the products the model's own step would. That is Llama, SmolLM2, Qwen2, Phi-3 without
-longrope, Mistral without its window, GPT-2 and this project's GPTs; :func:`unsupported` says why
-another model is not (Gemma, OLMo 2, BLOOM, gpt-oss), and its steps stay graphs. Batches of rows
-without padding only (a padded batch's step is a graph). A call takes one token a row (a decode
-step) or several (a speculative verification by prompt lookup or a draft model: causal among
-themselves, after the cached ones).
+The model it serves, described as data (``decode.cpp``'s arguments), never by a family's name: blocks
+``x + post(attn(pre(x)))``, ``x + post(mlp(pre(x)))`` with the norms before, around or after each
+sublayer (``norm_position``) and one after the embedding or not; the norms all RMSNorm (any offset,
+rounded before or after the weight) or all LayerNorm (with or without bias), of one epsilon, q/k norms
+over each head or over the projection included; RoPE (any rule but longrope, per layer: Gemma 3's
+local base), learned positions or neither; grouped kv heads; per-layer windows over rolling caches,
+with sink tokens; ALiBi, soft-capped scores, learned sinks; an MLP ``down(act(gate) * up)`` or
+``down(act(up))`` with SiLU or GELU (exact or tanh); biases on any matrix; the embedding scaled, the
+logits soft-capped; every matrix multiplied by the stream kernel (:func:`selfattn.generation.layout.decode_layout`'s
+``stream`` form, its rule wherever the kernel builds, or int8 from :func:`selfattn.generation.int8.quantize_int8`):
+the kernel runs the products the model's own step would. That is every family of :mod:`selfattn.families` but
+gpt-oss, whose mixture of experts stays a graph (:func:`unsupported` says why a model is not served), and
+this project's GPTs. Batches of rows without padding only (a padded batch's step is not the kernel's). A
+call takes one token a row (a decode step) or several (a speculative verification by prompt lookup or a
+draft model: causal among themselves, after the cached ones); a rolling cache takes as many as it can
+roll back, plus one (:meth:`KernelStep.serves`): the new keys are written before they are read, and a
+longer run would overwrite keys its first queries still see.
 
 Each value is rounded to the model's dtype where its eager step rounds it (``kernels/decode.cpp``
 lists them), so a half-precision step rounds as the eager one does, not as a fused graph does.
@@ -39,10 +43,11 @@ from torch import Tensor, nn
 from selfattn.config import GPTConfig
 from selfattn.generation.int8 import Int8Linear
 from selfattn.kernels import stream
-from selfattn.kv_cache import KVCache
+from selfattn.kv_cache import KVCache, RollingKVCache
 from selfattn.model import GPT, MLP, GatedMLP
 from selfattn.norms import RMSNorm
 from selfattn.rope import rope_angles
+from selfattn.scores import alibi_slopes
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -51,11 +56,12 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Read by the step (or each value it cannot compute refused by the checks of the modules in unsupported()):
 HANDLED = ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "n_kv_head", "head_dim", "bias", "qkv_bias",
            "proj_bias", "dropout", "pos", "rope_base", "rope_scaling", "rope_dims", "attn_scale", "backend", "mlp",
-           "mlp_kind", "intermediate_size", "norm", "layer_norm_eps", "gelu_approximate", "tie_embeddings")
+           "mlp_kind", "intermediate_size", "norm", "layer_norm_eps", "gelu_approximate", "tie_embeddings",
+           "window", "window_layers", "window_rope_base", "sink_tokens", "alibi", "softcap", "sinks", "qk_norm",
+           "norm_offset", "norm_weight_in_float32", "norm_position", "embedding_norm", "embedding_scale",
+           "logit_softcap")
 # Refused unless at its default:
-REFUSED = ("window", "window_layers", "window_rope_base", "sink_tokens", "alibi", "softcap", "sinks", "qk_norm",
-           "n_experts", "experts_per_token", "expert_clamp", "norm_offset", "norm_weight_in_float32", "norm_position",
-           "embedding_norm", "embedding_scale", "logit_softcap")
+REFUSED = ("n_experts", "experts_per_token", "expert_clamp")
 _DEFAULTS = GPTConfig.__dataclass_fields__
 
 
@@ -67,21 +73,17 @@ def unsupported(model: GPT) -> str | None:
     w = model.wte.weight
     if w.device.type != "cpu" or w.dtype not in DTYPES:
         return f"the model is {w.dtype} on {w.device}, the kernel takes float32, bfloat16 or float16 on the CPU"
-    if model.ln_emb is not None:
-        return "its embedding has a norm"
-    norms = _norms(model)
-    if not (all(type(n) is RMSNorm and not n.offset and not n.weight_in_float32 for n in norms) or
-            all(type(n) is nn.LayerNorm and n.weight is not None for n in norms)) or \
-            len({n.eps for n in norms}) > 1:
-        return "its norms are not all RMSNorm (without offset) or all LayerNorm, of one epsilon"
+    norms = [n for n in _norms(model) + _qk_norms(model) if n is not None]
+    if len({_norm_rule(n) for n in norms}) > 1:
+        return "its norms are not all RMSNorm or all LayerNorm (with a weight) of one epsilon, offset and rounding"
     for i, b in enumerate(model.blocks):
         why = _block(b)
         if why is not None:
             return f"layer {i} {why}"
-    if len({(b.attn.rope, b.attn.rope_dims, b.attn.rope_base, repr(b.attn.rope_scaling)) for b in model.blocks}) > 1:
-        return "its layers rotate by different RoPE rules"
-    if len({_mlp(b.mlp) for b in model.blocks}) > 1:
-        return "its layers' MLPs differ"
+    if len({(b.attn.rope, b.attn.rope_dims) for b in model.blocks}) > 1:
+        return "its layers rotate different channels"
+    if len({_mlp(b.mlp) for b in model.blocks}) > 1 or len({b.attn.qk_norm_over for b in model.blocks}) > 1:
+        return "its layers' MLPs or q/k norms differ"
     matrices = _matrices(model)
     kinds = {(type(m) is Int8Linear, m.q.dtype if type(m) is Int8Linear else m.weight.dtype) for m in matrices}
     if len(kinds) > 1:
@@ -100,18 +102,24 @@ def unsupported(model: GPT) -> str | None:
     return None
 
 
+def _norm_rule(n: nn.Module) -> tuple | str:
+    """What the kernel needs to be one for every norm of a model: kind, epsilon, offset, rounding."""
+    if type(n) is RMSNorm:
+        return "rmsnorm", n.eps, n.offset, n.weight_in_float32
+    if type(n) is nn.LayerNorm and n.weight is not None:
+        return "layernorm", n.eps, 0.0, False
+    return f"a {type(n).__name__}"
+
+
 def _block(b: nn.Module) -> str | None:
     """Why block ``b`` is not one the kernel runs (None when it is)."""
     a, mlp = b.attn, b.mlp
-    if not (isinstance(b.post_ln_1, nn.Identity) and (mlp is None or isinstance(b.post_ln_2, nn.Identity))):
-        return "norms its sublayers' outputs"
     if a.rope and (a.rope_scaling or {}).get("rope_type") == "longrope":
         return "rotates by longrope"
-    if a.window is not None or a.alibi or a.softcap is not None or a.sinks is not None or a.q_norm is not None \
-            or a.mask_mod is not None or a.score_mod is not None:
-        return "has a window, ALiBi, soft-capping, sinks, q/k norms or a mask or score rule"
+    if a.mask_mod is not None or a.score_mod is not None:
+        return "has a mask or score rule of its own"
     if _mlp(mlp) is None:
-        return "has no MLP of SiLU or GELU, gated or not"
+        return "has no MLP of SiLU or GELU, gated or not (a mixture of experts stays a graph)"
     return None
 
 
@@ -130,9 +138,18 @@ def _mlp(mlp: nn.Module | None) -> tuple[str, bool] | None:
     return None
 
 
-def _norms(model: GPT) -> list[nn.Module]:
-    """The norms in the order of ``kernels/decode.cpp``: each layer's two, the final one."""
-    return [n for b in model.blocks for n in (b.ln_1, b.ln_2)] + [model.ln_f]
+def _norms(model: GPT) -> list[nn.Module | None]:
+    """The norms in the order of ``kernels/decode.cpp``: the embedding's, each layer's four (before and
+    after attention, before and after the MLP), the final one; None for each one the model has not."""
+    def norm(n: nn.Module | None) -> nn.Module | None:
+        return None if n is None or isinstance(n, nn.Identity) else n
+    return [norm(model.ln_emb), *(norm(n) for b in model.blocks for n in (b.ln_1, b.post_ln_1, b.ln_2, b.post_ln_2)),
+            model.ln_f]
+
+
+def _qk_norms(model: GPT) -> list[nn.Module | None]:
+    """Each layer's q and k norms (None where it has none), in the order of ``kernels/decode.cpp``."""
+    return [n for b in model.blocks for n in (b.attn.q_norm, b.attn.k_norm)]
 
 
 def _matrices(model: GPT) -> list[nn.Module]:
@@ -141,6 +158,11 @@ def _matrices(model: GPT) -> list[nn.Module]:
     def mlp(m: nn.Module) -> tuple[nn.Module, nn.Module]:
         return (m.gate_up_proj, m.down_proj) if isinstance(m, GatedMLP) else (m.c_fc, m.c_proj)
     return [m for b in model.blocks for m in (b.attn.qkv, b.attn.proj, *mlp(b.mlp))] + [model.lm_head]
+
+
+def _rope_rule(attn: nn.Module) -> tuple:
+    """A layer's RoPE rule: layers of one rule share a table of angles."""
+    return attn.rope, attn.rope_dims, attn.rope_base, repr(attn.rope_scaling)
 
 
 class KernelStep:
@@ -152,39 +174,50 @@ class KernelStep:
         why = unsupported(model)
         if why is not None:
             raise ValueError(f"the decode kernel cannot run this model: {why}")
-        self._model, self.angles, self.isa = weakref.ref(model), None, isa  # weakly, as the steps hold it
+        self._model, self.isa = weakref.ref(model), isa  # weakly, as the steps hold it
         self.cache, self.weights = None, None  # the cache (its first layer, weakly) they were gathered for, and them
-        a, (act, gated) = model.blocks[0].attn, _mlp(model.blocks[0].mlp)
-        self.shape = {"n_head": a.n_head, "eps": model.ln_f.eps, "act": act, "gated": gated,
-                      "scale": a.scale if a.scale is not None else a.head_dim ** -0.5,
-                      "norm": "rmsnorm" if type(model.ln_f) is RMSNorm else "layernorm"}  # the step's arguments
+        rules = list(dict.fromkeys(_rope_rule(b.attn) for b in model.blocks))  # in the order the layers take them
+        self.rope_of = [rules.index(_rope_rule(b.attn)) for b in model.blocks]  # each layer's table of angles
+        firsts = [model.blocks[self.rope_of.index(i)].attn for i in range(len(rules))]  # a layer of each rule
+        self.rules = [(a.rope, a.rope_dims, a.rope_base, a.rope_scaling) for a in firsts]
+        self.angles = None  # each rule's (cos, sin) of positions 0 .. P - 1, P grown as positions are reached
+        a, c, (act, gated) = model.blocks[0].attn, model.config, _mlp(model.blocks[0].mlp)
+        kind, eps, offset, in_float32 = _norm_rule(model.ln_f)
+        self.shape = {"n_head": a.n_head, "scale": a.scale if a.scale is not None else a.head_dim ** -0.5,
+                      "softcap": a.softcap or 0.0, "logit_softcap": c.logit_softcap or 0.0,
+                      "embedding_scale": c.embedding_scale or 0.0, "norm": kind, "eps": eps, "norm_offset": offset,
+                      "norm_weight_in_float32": in_float32, "qk_per_head": a.qk_norm_over == "head", "act": act,
+                      "gated": gated}  # the step's arguments
 
     @property
     def model(self) -> GPT:
         return self._model()
 
-    def serves(self, mask: Tensor | None, cache: Sequence) -> bool:
-        """Whether a step with this ``mask`` and ``cache`` runs here: no padding, the model's caches,
-        and no dropout to draw (a model in training mode with dropout steps as it is)."""
+    def serves(self, mask: Tensor | None, cache: Sequence, tokens: int = 1) -> bool:
+        """Whether a step of ``tokens`` a row with this ``mask`` and ``cache`` runs here: no padding,
+        the caches the model makes (a rolling one taking at most its rollback + 1 tokens), and no
+        dropout to draw (a model in training mode with dropout steps as it is)."""
         dropout = self.model.training and self.model.config.dropout > 0
-        return mask is None and not dropout and all(type(c) is KVCache for c in cache)
+        return mask is None and not dropout and all(_fits(b.attn, c, tokens) for b, c in zip(self.model.blocks, cache))
 
-    def __call__(self, idx: Tensor, cache: Sequence[KVCache], past: int) -> Tensor:
+    def __call__(self, idx: Tensor, cache: Sequence[KVCache | RollingKVCache], past: int) -> Tensor:
         """Logits ``(B, T, V)`` of the tokens ``idx`` ``(B, T)`` at positions ``past ..``, causal among
         themselves (a decode step: T = 1; a speculative verification: a few), their k and v cached."""
         if self.cache is None or self.cache() is not cache[0]:  # a new generation's cache
             self.weights, self.cache = self._weights(), weakref.ref(cache[0])
         B, T = idx.shape
-        cos, sin = self._angles()
+        cos, sin = self._angles(past + T)
+        layers = [n for c, rope in zip(cache, self.rope_of) for n in _layer(c, rope)]
         logits = stream.load(self.isa or stream.chosen()).step(
-            idx, past, caches=[t for c in cache for t in (c.k, c.v)], cos=cos, sin=sin, **self.weights, **self.shape)
+            idx, past, caches=[t for c in cache for t in (c.k, c.v)], layers=layers, cos=cos, sin=sin,
+            **self.weights, **self.shape)
         for c in cache:
-            c.length = past + T
+            c.advance(T)  # the T positions the kernel wrote into their slots
         return logits.view(B, T, -1)  # (B·T, V) -> (B, T, V)
 
     def _weights(self) -> dict[str, Tensor | None | list]:
-        """The model's embeddings, norms, matrices, biases and int8 scales as they are now (the
-        step's arguments of those names), gathered once per generation (per cache: a list of every
+        """The model's embeddings, norms, matrices, biases, int8 scales, slopes and sinks as they are now
+        (the step's arguments of those names), gathered once per generation (per cache: a list of every
         weight is a measurable part of a step), so a model cast or quantised since the last generation
         decodes as it is now."""
         m = self.model
@@ -192,19 +225,45 @@ class KernelStep:
         int8 = type(matrices[0]) is Int8Linear
         return {"wte": m.wte.weight.contiguous(),  # in rows (a layout for another form stores it in columns)
                 "wpe": None if m.wpe is None else m.wpe.weight.contiguous(),
-                "norms": [n.weight for n in norms], "norm_biases": [getattr(n, "bias", None) for n in norms],
+                "norms": [None if n is None else n.weight for n in norms],
+                "norm_biases": [getattr(n, "bias", None) for n in norms],
+                "qk_norms": [None if n is None else n.weight for n in _qk_norms(m)],
                 "matrices": [x.q if int8 else x.weight for x in matrices],
                 "biases": [None if x.bias is None else x.bias.to(dtype) for x in matrices],  # int8's: float32
-                "scales": [x.scale.float() if int8 else None for x in matrices]}  # float32 (a model cast casts them)
+                "scales": [x.scale.float() if int8 else None for x in matrices],  # float32 (a model cast casts them)
+                "alibi": alibi_slopes(m.config.n_head) if m.config.alibi else None,
+                "sinks": [None if b.attn.sinks is None else b.attn.sinks.detach().float().contiguous()
+                          for b in m.blocks]}
 
-    def _angles(self) -> tuple[Tensor, Tensor]:
-        """RoPE's cos and sin of every position the model reads, ``(block_size, R / 2)`` float32, once
-        (``(block_size, 0)`` without RoPE: nothing rotates)."""
-        if self.angles is None:
-            a, positions = self.model.blocks[0].attn, torch.arange(self.model.config.block_size)
-            if not a.rope:
-                self.angles = (torch.zeros(len(positions), 0),) * 2
-            else:
-                cos, sin = rope_angles(positions, a.rope_dims, a.rope_base, scaling=a.rope_scaling)  # (1, 1, P, R/2)
-                self.angles = cos[0, 0].float().contiguous(), sin[0, 0].float().contiguous()
+    def _angles(self, positions: int) -> tuple[list[Tensor], list[Tensor]]:
+        """Each RoPE rule's cos and sin of positions ``0 .. P - 1`` (P >= ``positions``), ``(P, R / 2)``
+        float32 (``(P, 0)`` without RoPE: nothing rotates), computed again twice as long when a
+        position past them is reached (up to ``block_size`` where the model has a limit)."""
+        if self.angles is None or self.angles[0][0].shape[0] < positions:
+            limit = self.model.max_positions
+            P = max(positions, 256, 2 * (0 if self.angles is None else self.angles[0][0].shape[0]))
+            P = P if limit is None else max(positions, min(P, limit))
+            self.angles = [], []
+            for rope, dims, base, scaling in self.rules:
+                if not rope:
+                    cos = sin = torch.zeros(P, 0)
+                else:
+                    cos, sin = rope_angles(torch.arange(P), dims, base, scaling=scaling)  # (1, 1, P, R/2)
+                    cos, sin = cos[0, 0].float().contiguous(), sin[0, 0].float().contiguous()
+                self.angles[0].append(cos), self.angles[1].append(sin)
         return self.angles
+
+
+def _fits(attn: nn.Module, cache, tokens: int) -> bool:
+    """Whether ``cache`` is the one the model makes for the layer of ``attn``, and takes ``tokens`` at once."""
+    if attn.window is None:
+        return type(cache) is KVCache
+    return (type(cache) is RollingKVCache and cache.window == attn.window and
+            cache.sink_tokens == (attn.sink_tokens or 0) and tokens <= cache.rollback + 1)
+
+
+def _layer(cache, rope: int) -> tuple[int, int, int, int]:
+    """A layer's four numbers of ``kernels/decode.cpp``: its window, sink tokens, ring and RoPE table."""
+    if type(cache) is RollingKVCache:
+        return cache.window, cache.sink_tokens, cache.ring, rope
+    return 0, 0, 0, rope

@@ -70,9 +70,10 @@ void attend_all(const at::Tensor& qf, const at::Tensor& k, const at::Tensor& v, 
   at::Tensor parts = at::empty({tasks, rows, D + 2}, qf.options());  // (B, Hkv, runs) x (rows, m l acc)
   float* pp = parts.data_ptr<float>();
   const int64_t grain = std::max<int64_t>(1, (1 << 15) / (KEYS * rows * D));  // a task's products: 32 K or more
+  const KeyRule causal{S - Tq, Tq};  // every key up to the query's position
   at::parallel_for(0, tasks, grain, [&](int64_t begin, int64_t end) {
     attend_tasks(qf.data_ptr<float>(), k.data_ptr<T>(), k.strides().data(), v.data_ptr<T>(), v.strides().data(), Hkv, S, D,
-                 rows, Tq, scale, pp, begin, end);
+                 rows, causal, scale, pp, begin, end);
   });
   merge_runs(pp, runs, rows, D, out, 0, B * Hkv * rows);
 }

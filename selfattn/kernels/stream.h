@@ -391,18 +391,41 @@ void weigh(const float* p, int64_t pstride, const T* v, int64_t sv, int64_t n, i
   }
 }
 
-// A run of keys [j0, j1) of one kv head for its query rows qf (rows, D) float32, row r the query at
-// position S - T + r % T: each row's maximum score m, the sum l of its exponentials and the weighted
-// values acc (D,), into part (rows, D + 2). A row that sees none of the run has m = -inf, l = 0, acc = 0.
+// Which keys of the cache each query row sees, and what happens to its scores: attend's rule (every key up to
+// the query's position, the scores as they are) unless a layer of decode.cpp sets more. Query row r of a kv
+// head's rows (g heads of T queries) is the token at position past + r % T, of the group's head r / T.
+struct KeyRule {
+  int64_t past, queries;          // the queries' positions: past .. past + queries - 1
+  int64_t sinks = 0, ring = 0;    // ring > 0: a rolling cache, slots [0, sinks) for the first positions, then a ring
+  int64_t window = 0;             // > 0: a query sees its `window` latest positions (and the sinks)
+  const float* slopes = nullptr;  // ALiBi: the group's heads' slopes, score - slope * (query - key position)
+  float softcap = 0.0f;           // > 0: the score soft-capped, c tanh(score / c)
+
+  bool plain() const { return ring == 0 && window == 0 && slopes == nullptr && softcap == 0.0f; }
+  // the position slot j holds, -1 for an empty one: itself in a plain cache; in a rolling one a sink's own, else the
+  // latest position written to its place in the ring
+  int64_t position(int64_t j) const {
+    if (ring == 0 || j < sinks) return j < past + queries ? j : -1;
+    const int64_t back = past + queries - 1 - j;  // how far the latest position is past the slot's first
+    return back < 0 ? -1 : j + back / ring * ring;
+  }
+  bool sees(int64_t query, int64_t key) const {
+    return key >= 0 && key <= query && (window == 0 || key > query - window || key < sinks);
+  }
+};
+
+// A run of keys [j0, j1) of one kv head for its query rows qf (rows, D) float32 (rule: which keys each sees, and
+// the scores' changes): each row's maximum score m, the sum l of its exponentials and the weighted values acc
+// (D,), into part (rows, D + 2). A row that sees none of the run has m = -inf, l = 0, acc = 0.
 template <typename T>
 void attend_run(const float* qf, const T* k, const T* v, int64_t sk, int64_t sv, int64_t j0, int64_t j1,
-                int64_t rows, int64_t queries, int64_t S, int64_t D, float scale, float* part) {
-  const int64_t n = j1 - j0;
+                int64_t rows, const KeyRule& rule, int64_t D, float scale, float* part) {
+  const int64_t n = j1 - j0, queries = rule.queries;
   std::vector<float> p(rows * KEYS);  // (rows, KEYS): the scores, then their exponentials, 0 past what a row sees
   prefetch_rows(k + j0 * sk, sk, n, D);
   prefetch_rows(v + j0 * sv, sv, n, D);
-  const auto seen_by = [&](int64_t r) {  // the keys of the run that row r sees
-    return std::clamp<int64_t>(S - queries + r % queries + 1 - j0, 0, n);
+  const auto seen_by = [&](int64_t r) {  // the keys of the run scored for row r: those up to its position, or all
+    return rule.ring ? n : std::clamp<int64_t>(rule.past + r % queries + 1 - j0, 0, n);
   };
   for (int64_t r = 0; r < rows; r += QG) {  // the scores of QG rows at a time, in the blocks of L keys that one sees
     const int64_t g = std::min<int64_t>(QG, rows - r);
@@ -419,6 +442,7 @@ void attend_run(const float* qf, const T* k, const T* v, int64_t sk, int64_t sv,
       }
     }
   }
+  bool hidden[KEYS];  // the general rule's keys a row does not see
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t seen = seen_by(r);
     const float* qr = qf + r * D;
@@ -426,19 +450,42 @@ void attend_run(const float* qf, const T* k, const T* v, int64_t sk, int64_t sv,
     float m = -INFINITY;
     int64_t j = seen / L * L;
     for (; j < seen; ++j) dot<1>(k + (j0 + j) * sk, qr, D, pr + j);  // the last keys, fewer than L: the products' dot
-    vec top = splat(-INFINITY);  // each lane's maximum score
-    for (j = 0; j + L <= seen; j += L) {
-      const vec scores = load(pr + j) * scale;
-      store(pr + j, scores);
-      top = top > scores ? top : scores;
+    if (rule.plain()) {  // every key scored is seen
+      vec top = splat(-INFINITY);  // each lane's maximum score
+      for (j = 0; j + L <= seen; j += L) {
+        const vec scores = load(pr + j) * scale;
+        store(pr + j, scores);
+        top = top > scores ? top : scores;
+      }
+      for (; j < seen; ++j) m = std::max(m, pr[j] *= scale);
+      for (int i = 0; i < L; ++i) m = std::max(m, top[i]);
+    } else {  // each key's position decides, and the scores change as scores.py says: ALiBi, then the cap
+      const int64_t query = rule.past + r % queries;
+      const float slope = rule.slopes ? rule.slopes[r / queries] : 0.0f;
+      for (j = 0; j < seen; ++j) {
+        const int64_t key = rule.position(j0 + j);
+        hidden[j] = !rule.sees(query, key);
+        float s = pr[j] * scale;
+        if (rule.slopes) s -= slope * static_cast<float>(query - key);
+        if (rule.softcap > 0.0f) s = std::tanh(s / rule.softcap) * rule.softcap;
+        pr[j] = s;
+        if (!hidden[j]) m = std::max(m, s);
+      }
+      if (m == -INFINITY) {  // it sees none of the run
+        std::fill(pr, pr + KEYS, 0.0f);
+        part[r * (D + 2)] = m, part[r * (D + 2) + 1] = 0.0f;
+        continue;
+      }
+      for (j = 0; j < seen; ++j) pr[j] = hidden[j] ? m : pr[j];  // exp(0), zeroed below
     }
-    for (; j < seen; ++j) m = std::max(m, pr[j] *= scale);
-    for (int i = 0; i < L; ++i) m = std::max(m, top[i]);
     for (j = seen; j < KEYS; ++j) pr[j] = m;  // past what it sees: computed if in a vector, then zeroed
     for (j = 0; j < seen; j += L) {
       store(pr + j, exp_lanes(load(pr + j) - m));
     }
     std::fill(pr + seen, pr + KEYS, 0.0f);
+    if (!rule.plain()) {
+      for (j = 0; j < seen; ++j) pr[j] = hidden[j] ? 0.0f : pr[j];
+    }
     vec sum{};  // the exponentials summed in L lanes, then across them
     for (j = 0; j < KEYS; j += L) sum += load(pr + j);
     part[r * (D + 2)] = m, part[r * (D + 2) + 1] = sum_lanes(sum);
@@ -456,26 +503,32 @@ void attend_run(const float* qf, const T* k, const T* v, int64_t sk, int64_t sv,
 }
 
 // The runs of keys of attend: task t is run t % runs of kv head t / runs % Hkv of batch row t / (Hkv * runs); q (B, H, T,
-// D) float32; k and v (B, Hkv, S, D) of strides ks and vs (rows contiguous); the parts (tasks, rows, D + 2) of attend_run.
+// D) float32; k and v (B, Hkv, S, D) of strides ks and vs (rows contiguous), S the slots scanned; the parts (tasks,
+// rows, D + 2) of attend_run.
 template <typename T>
 void attend_tasks(const float* q, const T* k, const int64_t* ks, const T* v, const int64_t* vs, int64_t Hkv, int64_t S,
-                  int64_t D, int64_t rows, int64_t Tq, float scale, float* parts, int64_t begin, int64_t end) {
-  const int64_t runs = (S + KEYS - 1) / KEYS;
+                  int64_t D, int64_t rows, const KeyRule& rule, float scale, float* parts, int64_t begin, int64_t end) {
+  const int64_t runs = (S + KEYS - 1) / KEYS, g = rows / rule.queries;
   for (int64_t t = begin; t < end; ++t) {
     const int64_t b = t / (Hkv * runs), kh = t / runs % Hkv, j0 = t % runs * KEYS;
+    KeyRule group = rule;  // the kv head's query heads' slopes
+    if (rule.slopes) group.slopes = rule.slopes + kh * g;
     attend_run(q + (b * Hkv + kh) * rows * D, k + b * ks[0] + kh * ks[1], v + b * vs[0] + kh * vs[1], ks[2], vs[2], j0,
-               std::min(S, j0 + KEYS), rows, Tq, S, D, scale, parts + t * rows * (D + 2));
+               std::min(S, j0 + KEYS), rows, group, D, scale, parts + t * rows * (D + 2));
   }
 }
 
 // query rows [begin, end) of attend's output (B * Hkv * rows of them, in q's order): each row's runs merged in order,
-// rescaled to the maximum
+// rescaled to the maximum; with learned sinks (one logit per head, Hkv kv heads of rows / queries heads), the row's
+// head's sink joins the denominator, carrying no value
 template <typename Q>
-void merge_runs(const float* parts, int64_t runs, int64_t rows, int64_t D, Q* out, int64_t begin, int64_t end) {
+void merge_runs(const float* parts, int64_t runs, int64_t rows, int64_t D, Q* out, int64_t begin, int64_t end,
+                const float* sinks = nullptr, int64_t Hkv = 1, int64_t queries = 1) {
   std::vector<float> acc(D);
   for (int64_t i = begin; i < end; ++i) {
     const float* first = parts + ((i / rows) * runs * rows + i % rows) * (D + 2);
-    float m = -INFINITY, l = 0.0f;
+    const float sink = sinks ? sinks[i / rows % Hkv * (rows / queries) + i % rows / queries] : -INFINITY;
+    float m = sink, l = 0.0f;
     for (int64_t run = 0; run < runs; ++run) m = std::max(m, first[run * rows * (D + 2)]);
     std::fill(acc.begin(), acc.end(), 0.0f);
     for (int64_t run = 0; run < runs; ++run) {
@@ -484,6 +537,7 @@ void merge_runs(const float* parts, int64_t runs, int64_t rows, int64_t D, Q* ou
       l += part[1] * w;
       for (int64_t c = 0; c < D; ++c) acc[c] += part[2 + c] * w;
     }
+    if (sinks) l += std::exp(sink - m);
     for (int64_t c = 0; c < D; ++c) out[i * D + c] = static_cast<Q>(acc[c] / l);
   }
 }

@@ -189,8 +189,11 @@ def test_several_rows_of_the_stream_form_run_its_kernel_in_a_compiled_forward(mo
     assert_same_logits(out["compiled"], out["eager"])  # and each ran every matrix through the kernel
 
 
-def test_a_sliding_window_layer_is_refused():
-    with pytest.raises(ValueError, match="layer 0 slides over a window of 4 keys"):
+def test_a_sliding_window_layer_is_refused_where_the_kernel_cannot_run_it(monkeypatch):
+    """No graph follows a rolling cache: without the decode kernel there is nothing to compile."""
+    monkeypatch.setattr(stream, "failure", lambda isa=None: "no C++ compiler found")
+    with pytest.raises(ValueError, match="layer 0 slides over a window of 4 keys: .*, and the decode kernel cannot "
+                                         "run it either .*no C\\+\\+ compiler found"):
         compile_decode(GPT(small(window=4)))
 
 

@@ -1,4 +1,4 @@
-"""The decode kernel: a pre-norm decoder's step (Llama's, GPT-2's and the families between) as one
+"""The decode kernel: a decoder's step (Llama's, GPT-2's, Gemma's and the families between) as one
 C++ call gives the model's own logits and caches, in every build this CPU runs, and serves
 compile_decode where it can."""
 import copy
@@ -35,6 +35,18 @@ VARIANTS = {
     "gpt2": GPT2,
     "layernorm-geglu-erf-no-positions": LLAMA | {"pos": "none", "norm": "layernorm", "mlp_kind": "geglu",
                                                  "gelu_approximate": "none"},
+    # the blocks of the other families, as data: norms around the sublayers, q/k norms, windows over rolling caches
+    "gemma3": LLAMA | {"norm_position": "sandwich", "norm_offset": 1.0, "norm_weight_in_float32": True,
+                       "qk_norm": "head", "embedding_scale": 8.0, "mlp_kind": "geglu", "gelu_approximate": "tanh",
+                       "attn_scale": 0.3, "rope_base": 1e6, "window": 16, "window_layers": [True, False],
+                       "window_rope_base": 10000.0},
+    "gemma2": LLAMA | {"norm_position": "sandwich", "norm_offset": 1.0, "norm_weight_in_float32": True,
+                       "mlp_kind": "geglu", "gelu_approximate": "tanh", "softcap": 1.5, "logit_softcap": 2.0,
+                       "window": 16, "window_layers": [False, True]},
+    "olmo2": LLAMA | {"norm_position": "post", "qk_norm": "projection", "norm_weight_in_float32": True},
+    "qwen3": LLAMA | {"qk_norm": "head"},
+    "bloom": GPT2 | {"pos": "none", "alibi": True, "embedding_norm": True},
+    "sinks-streaming-window": LLAMA | {"sinks": True, "window": 12, "sink_tokens": 3},
 }
 BUILDS = [isa for isa in features.instruction_sets() if stream.failure(isa) is None]
 
@@ -44,9 +56,9 @@ def llama(seed: int = 0, **config) -> GPT:
     return decode_layout(scrambled(small(**(LLAMA | config))), one_row="stream", few_rows="stream")
 
 
-def steps(model: GPT, step, idx, prompt: int, n: int):
+def steps(model: GPT, step, idx, prompt: int, n: int, rollback: int = 0):
     """(logits (B, n, V), caches) of ``step`` fed ``idx`` ``(B, prompt + n)`` one token at a time after the prompt."""
-    cache = model.new_cache(idx.shape[0], prompt + n)
+    cache = model.new_cache(idx.shape[0], prompt + n, rollback=rollback)
     with torch.inference_mode():
         model.hidden(idx[:, :prompt], None, cache, 0)
         logits = torch.cat([step(idx[:, p:p + 1], cache, p) for p in range(prompt, prompt + n)], 1)
@@ -70,9 +82,48 @@ def test_kernel_steps_give_the_models_logits_and_caches(isa, variant):
         assert_same_logits(a.k, b.k), assert_same_logits(a.v, b.v)  # up to the order of the products' sums
 
 
+WINDOWED = ["gemma3", "gemma2", "sinks-streaming-window"]
+
+
+@pytest.mark.parametrize("variant", WINDOWED)
+def test_a_rolling_cache_with_spare_slots_shows_each_query_its_window_alone(variant):
+    """Slots kept for a rollback hold positions the window no longer sees: the kernel hides them by
+    position, in single steps and in a verification of several tokens that wraps the ring."""
+    model = llama(8, **VARIANTS[variant])
+    idx = torch.randint(61, (2, 60), generator=torch.Generator().manual_seed(8))
+    ours, our_cache = steps(model, KernelStep(model), idx, 40, 10, rollback=4)
+    theirs, _ = steps(model, eager_step(model), idx, 40, 10, rollback=4)
+    assert_same_logits(ours, theirs)
+    with torch.inference_mode():  # 5 tokens at once: as many as the caches roll back, plus one
+        for c in our_cache:
+            c.truncate(45)
+        many = KernelStep(model)(idx[:, 45:50], our_cache, 45)  # (B, 5, V)
+        eager_cache = model.new_cache(2, 50, rollback=4)
+        model.hidden(idx[:, :45], None, eager_cache, 0)
+        assert_same_logits(many, model.logits(model.hidden(idx[:, 45:50], None, eager_cache, 45)))
+        assert [c.positions().tolist() for c in our_cache] == [c.positions().tolist() for c in eager_cache]
+    blind = KernelStep(model)  # control: each query shown every slot the ring holds
+    original = kernel_step._layer
+    try:
+        kernel_step._layer = lambda cache, rope: (0, *original(cache, rope)[1:])
+        wrong, _ = steps(model, blind, idx, 40, 10, rollback=4)
+    finally:
+        kernel_step._layer = original
+    assert (wrong - theirs).abs().max() > 1e-2
+
+
+def test_a_rolling_cache_is_served_as_many_tokens_as_it_rolls_back_plus_one():
+    model = llama(**VARIANTS["gemma3"])
+    step = KernelStep(model)
+    assert step.serves(None, model.new_cache(1, 40, rollback=3), 4)
+    assert not step.serves(None, model.new_cache(1, 40, rollback=3), 5)  # the fifth overwrites a key the first sees
+    assert not step.serves(None, llama(window=12).new_cache(1, 40), 1)  # another model's caches
+    assert KernelStep(llama()).serves(None, llama().new_cache(1, 40), 30)  # plain caches: any number
+
+
 @pytest.mark.parametrize("isa", BUILDS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("variant", ["gqa", "gpt2"])
+@pytest.mark.parametrize("variant", ["gqa", "gpt2", "gemma3", "bloom"])
 def test_half_precision_steps_round_no_worse_than_eager(isa, dtype, variant):
     """Each rounding held against the float32 model: the kernel's error at most twice eager's plus 2%
     of the logits' range (the rule of the low-precision tests)."""
@@ -86,7 +137,7 @@ def test_half_precision_steps_round_no_worse_than_eager(isa, dtype, variant):
     assert ours.dtype == dtype and err["kernel"] <= 2 * err["eager"] + 0.02 * exact.abs().max().item(), err
 
 
-@pytest.mark.parametrize("variant", ["gqa", "gpt2"])
+@pytest.mark.parametrize("variant", ["gqa", "gpt2", "gemma3"])
 @pytest.mark.parametrize("layout", ["stream", "linear"])
 def test_int8_weights_step_as_the_quantised_model(variant, layout):
     """Quantised after a layout for another one-row form too, which stores the embedding in columns."""
@@ -121,6 +172,29 @@ def test_compile_decode_generates_through_the_kernel_without_a_graph(variant):
     assert counters["stats"]["unique_graphs"] == before
 
 
+@pytest.mark.parametrize("variant", WINDOWED)
+def test_compile_decode_runs_a_windowed_model_on_the_kernel_and_the_rest_eagerly(variant):
+    """No graph follows a rolling cache: the kernel decodes, and a padded batch and the prefill step
+    eagerly; greedy, sampled, padded and speculative tokens all equal eager decoding's."""
+    eager, compiled = llama(9, **VARIANTS[variant]), compile_decode(llama(9, **VARIANTS[variant]))
+    assert compiled_of(compiled).kernel is not None and not compiled_of(compiled).graphs
+    before = counters["stats"]["unique_graphs"]
+    idx = torch.randint(61, (2, 9), generator=torch.Generator().manual_seed(9))
+    for sample in ({"temperature": 0.0}, {"temperature": 0.9, "top_k": 20}):  # 40 tokens: past the windows
+        runs = [torch.stack(list(generate(m, idx, 40, generator=torch.Generator().manual_seed(5), **sample)), 1)
+                for m in (eager, compiled)]
+        assert torch.equal(runs[1], runs[0])
+    padded, mask = left_pad([torch.randint(61, (n,), generator=torch.Generator().manual_seed(n)) for n in (3, 8)])
+    runs = [torch.stack(list(generate(m, padded, 20, temperature=0.0, attention_mask=mask))) for m in (eager, compiled)]
+    assert torch.equal(runs[1], runs[0])
+    prompt = idx[:1, :6].repeat(1, 4)  # text to look up
+    specs = [Speculative("lookup", k=2, max_k=6, ngram=1) for _ in range(2)]
+    runs = [torch.stack(list(generate(m, prompt, 30, speculative=spec, temperature=0.0)), 1)
+            for m, spec in zip((eager, compiled), specs)]
+    assert torch.equal(runs[1], runs[0]) and specs[1].stats == specs[0].stats and specs[0].stats.drafted > 0
+    assert counters["stats"]["unique_graphs"] == before  # nothing compiled a graph
+
+
 def test_a_model_training_with_dropout_steps_as_it_is():
     model = compile_decode(llama(dropout=0.1))
     assert compiled_of(model).kernel.serves(None, [])
@@ -137,12 +211,12 @@ def test_padded_rows_step_through_the_graph_as_eager():
 
 
 @pytest.mark.parametrize(("change", "why"), [
-    (lambda m: llama(embedding_norm=True), "its embedding has a norm"),  # BLOOM
-    (lambda m: llama(norm_offset=1.0), "its norms are not all RMSNorm (without offset) or all LayerNorm"),  # Gemma
-    (lambda m: llama(window=8), "layer 0 has a window"),
-    (lambda m: llama(mlp_kind="moe", n_experts=2), "layer 0 has no MLP of SiLU or GELU"),  # gpt-oss
-    (lambda m: llama(pos="none", alibi=True), "layer 0 has a window, ALiBi"),
-    (lambda m: llama(norm_position="sandwich"), "layer 0 norms its sublayers' outputs"),  # Gemma 2, OLMo 2
+    (lambda m: llama(mlp_kind="moe", n_experts=2), "layer 0 has no MLP of SiLU or GELU, gated or not (a mixture"),
+    (lambda m: llama(rope_scaling={"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8,
+                                   "original_max_position_embeddings": 32}), "layer 0 rotates by longrope"),
+    (lambda m: _set(m, m.blocks[1].attn, "score_mod", lambda s, b, h, q, k: s), "layer 1 has a mask or score rule"),
+    (lambda m: _set(m, m.blocks[1].ln_2, "eps", 1e-3), "its norms are not all RMSNorm or all LayerNorm"),
+    (lambda m: _set(m, m.blocks[0].attn, "rope_dims", 8), "its layers rotate different channels"),
     (lambda m: m.double(), "the model is torch.float64"),
     (lambda m: decode_layout(m, one_row="mv"), "its one-row products are not the stream kernel's (mv"),
     (lambda m: scrambled(small(**LLAMA)), "its one-row products are not the stream kernel's (nn.Linear"),
@@ -152,8 +226,13 @@ def test_models_it_cannot_run_are_named_with_the_reason(change, why):
     assert why in unsupported(model)
     with pytest.raises(ValueError, match=f"^the decode kernel cannot run this model: .*{re.escape(why)}"):
         KernelStep(model)
-    if model.blocks[0].attn.window is None and any(type(m) is RowLinear for m in model.modules()):
+    if any(type(m) is RowLinear for m in model.modules()):
         assert compiled_of(compile_decode(model)).kernel is None  # its steps stay graphs
+
+
+def _set(model: GPT, module, name: str, value) -> GPT:
+    setattr(module, name, value)
+    return model
 
 
 def test_compile_decode_alone_gives_the_kernel_where_it_serves():  # the one call of the fast path
