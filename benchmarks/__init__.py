@@ -26,6 +26,8 @@ settings, ``run(settings, device, log=...) -> result``, ``report(result) -> text
   token and inter-token latency (median, p95);
 - ``loading`` (:mod:`~benchmarks.loading`): SmolLM2's and Gemma 3's GGUF files loaded and ready to generate,
   ours against llama.cpp's start to first token, each in fresh processes;
+- ``decode-llama`` (:mod:`~benchmarks.decode_llama`): batch-1 decode and prefill tokens/s on SmolLM2 and Gemma 3 in
+  float32, bfloat16 and int8, against ``llama-bench`` on the files requantised to F32, BF16 and Q8_0, interleaved;
 - ``masks`` (:mod:`~benchmarks.masks`): windows, packed documents, padding and plain causal
   at T = 4096 and 16384, every backend and ``auto``'s choice against SDPA with a dense mask and
   compiled FlexAttention;
@@ -42,6 +44,7 @@ from benchmarks import (
           attention,
           context_parallel,
           decode,
+          decode_llama,
           finetune,
           loading,
           masks,
@@ -55,6 +58,6 @@ from benchmarks import (
 
 SUITES = {"attention": attention, "decode": decode, "speculative": speculative, "int8": quantized, "train": train,
           "finetune": finetune, "surgery": surgery, "serving": serving,
-          "loading": loading, "masks": masks,
+          "loading": loading, "decode-llama": decode_llama, "masks": masks,
           "context-parallel": context_parallel, "triton": triton_gpu}
 GPU_ONLY = ("triton",)  # left out of ``all`` where there is no CUDA device

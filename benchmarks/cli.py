@@ -1,7 +1,7 @@
 """Benchmarks against the peers, in one run: attention T sweep, decode tokens/s, train tokens/s.
 
-``python -m benchmarks attention|decode|speculative|int8|train|finetune|surgery|serving|loading|masks|
-context-parallel|triton|all [--out DIR] [--quick] [--device D] [--threads N]``, from the repository's root,
+``python -m benchmarks attention|decode|speculative|int8|train|finetune|surgery|serving|loading|decode-llama|
+masks|context-parallel|triton|all [--out DIR] [--quick] [--device D] [--threads N]``, from the repository's root,
 runs the suites of :mod:`benchmarks` (``auto``'s calibration is the library's own command, ``selfattn calibrate``). Each
 prints its tables
 and targets and writes ``DIR/<suite>.json`` and ``DIR/<suite>.png``; a failed correctness check
@@ -34,6 +34,8 @@ HELP = {"attention": "attention layers: our backends vs the peers over a T sweep
         "serving": "selfattn serve vs llama.cpp's llama-server under 1, 4 and 16 streaming chat clients: aggregate "
                    "tokens/s, time to first token, inter-token latency",
         "loading": "SmolLM2's and Gemma 3's GGUF files loaded and ready to generate: ours vs llama.cpp",
+        "decode-llama": "batch-1 decode and prefill tokens/s on SmolLM2 and Gemma 3 in float32, bfloat16 and int8: "
+                        "ours vs llama.cpp's llama-bench on the files requantised to F32, BF16 and Q8_0",
         "masks": "windows, documents, padding: every backend and auto's choice vs dense SDPA and FlexAttention",
         "context-parallel": "ring attention over N local processes vs one: memory per rank, bytes sent, balance",
         "triton": "the Triton kernel on a CUDA GPU: parity at real sizes, TFLOP/s vs SDPA flash and cuDNN",
@@ -252,6 +254,22 @@ def _loading_flags(p: argparse.ArgumentParser) -> None:
                    help="the GGUF files to load (default: both; --quick: SmolLM2 alone)")
 
 
+def _decode_llama_flags(p: argparse.ArgumentParser) -> None:
+    full, quick = suites.decode_llama.FULL, suites.decode_llama.QUICK
+    p.add_argument("--models", nargs="+", choices=tuple(suites.decode_llama.MODELS), default=None,
+                   help=f"the GGUF files (default: {' '.join(full.models)}; --quick: {' '.join(quick.models)})")
+    p.add_argument("--dtypes", "--dtype", nargs="+", choices=tuple(suites.decode_llama.LLAMA_TYPES), default=None,
+                   help="ours in these dtypes, llama.cpp on the file requantised to F32, BF16 and Q8_0 respectively "
+                        f"(default: {' '.join(full.dtypes)}; --quick: {' '.join(quick.dtypes)})")
+    p.add_argument("--prompt", type=int, default=None,
+                   help=f"prefill tokens, llama-bench -p (default {full.prompt}, --quick {quick.prompt})")
+    p.add_argument("--new-tokens", type=int, default=None,
+                   help=f"decoded tokens, llama-bench -n (default {full.new_tokens}, --quick {quick.new_tokens})")
+    p.add_argument("--check-tokens", type=int, default=None,
+                   help=f"greedy tokens ours and llama.cpp must agree on before timing, 0 for none (default "
+                        f"{full.check_tokens})")
+
+
 def _masks_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cells", nargs="+", type=_cell, default=None, metavar="MASK:T",
                    help=f"cells to run, e.g. docs-16:16384 (masks: {', '.join(suites.masks.MASKS)}; default: all at "
@@ -292,5 +310,5 @@ def _triton_flags(p: argparse.ArgumentParser) -> None:
 SUITE_FLAGS = {"attention": _attention_flags, "decode": _decode_flags, "speculative": _speculative_flags,
                "int8": _int8_flags,
                "train": _train_flags, "finetune": _finetune_flags, "surgery": _surgery_flags, "serving": _serving_flags,
-               "loading": _loading_flags,
+               "loading": _loading_flags, "decode-llama": _decode_llama_flags,
                "masks": _masks_flags, "context-parallel": _context_parallel_flags, "triton": _triton_flags}
