@@ -128,11 +128,11 @@ def compile_decode(model: GPT) -> GPT:
     kernel cannot run."""
     if not isinstance(model, GPT):
         raise TypeError(f"compile_decode needs a selfattn GPT, got {type(model).__name__}")
+    if not is_laid_out(model):
+        decode_layout(model)  # before the kernel is asked: it runs the products of the layout's rule
     why = unsupported(model)
     if why is not None:
         raise ValueError(f"compile_decode: {why}; decode this model without it")
-    if not is_laid_out(model):
-        decode_layout(model)
     set_compiled(model, CompiledDecode(model))
     return model
 

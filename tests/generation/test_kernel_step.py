@@ -235,8 +235,9 @@ def _set(model: GPT, module, name: str, value) -> GPT:
     return model
 
 
-def test_compile_decode_alone_gives_the_kernel_where_it_serves():  # the one call of the fast path
-    eager = scrambled(small(**LLAMA))
+@pytest.mark.parametrize("variant", ["gqa", "gemma3"])  # gemma3: no graph to fall back on
+def test_compile_decode_alone_gives_the_kernel_where_it_serves(variant):  # the one call of the fast path
+    eager = scrambled(small(**VARIANTS[variant]))
     fast = compile_decode(copy.deepcopy(eager))  # not laid out: compile_decode lays the weights out itself
     assert compiled_of(fast).kernel is not None
     idx = torch.randint(61, (1, 7), generator=torch.Generator().manual_seed(3))
