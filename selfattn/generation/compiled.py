@@ -19,7 +19,7 @@ then a fixed cache size, then the step that fills the cache, whose keys are the 
 That last one still costs a graph of its own, so ``generate`` gives a compiled model's
 caches one slot more than the generation fills.
 
-Where the decode kernel serves the model (a pre-norm decoder: Llama's blocks, GPT-2's) and the C++
+Where the decode kernel serves the model (every family's blocks but a mixture of experts) and the C++
 kernels build, a step without padding is no graph at all but one call of
 :mod:`selfattn.generation.kernel_step` (every operation of the step in one parallel region: none of the
 guards, wrapper and per-kernel costs below); the graphs serve the rest.
@@ -62,7 +62,7 @@ from torch import Tensor
 from selfattn.backends import sdpa
 from selfattn.generation import kernel_step
 from selfattn.generation._compiling import compile_own
-from selfattn.generation.layout import decode_layout, is_laid_out
+from selfattn.generation.layout import FEW, decode_layout, is_laid_out
 from selfattn.generation.steps import Steps, next_logits, set_compiled, steps_of
 from selfattn.kv_cache import KVCache
 from selfattn.model import GPT
@@ -167,12 +167,19 @@ class CompiledDecode(Steps):
                 sdpa.decide_compiled(w.dtype, *heads, w.device)
             self.decided.add(w.dtype)
 
+    def _graph(self, rows: int) -> bool:
+        """Whether a forward of ``rows`` tokens that the kernel does not serve runs as a graph: where the model
+        has graphs, and for a model the kernel decodes, up to :data:`~selfattn.generation.layout.FEW` rows (a
+        padded batch); a prompt's many rows run eagerly, their products BLAS's, bound by the multiply-adds,
+        which a graph does not speed up (and a graph for them would be compiled for seconds)."""
+        return self.graphs and (self.kernel is None or rows <= FEW)
+
     def step(self, idx: Tensor, mask: Tensor | None, cache: Sequence[KVCache], past: int) -> Tensor:
         """Logits ``(B, V)`` after ``idx`` ``(B, T)``, compiled: by the decode kernel where it serves the
         model and the step (:mod:`selfattn.generation.kernel_step`), else a graph (or eagerly)."""
         if self.kernel is not None and self.kernel.serves(mask, cache, idx.shape[1]):
             return self.kernel(idx, cache, past)[:, -1]
-        if not self.graphs:
+        if not self._graph(idx.numel()):
             return super().step(idx, mask, cache, past)
         self._decide()
         with _compiling():
@@ -189,7 +196,7 @@ class CompiledDecode(Steps):
                start: int = 0, stop: int | None = None, x: Tensor | None = None) -> Tensor:
         """``GPT.hidden`` of blocks ``start .. stop - 1``, ``(B, T, C)``, compiled: one function
         per range of blocks, so that each has torch.compile's recompile limit to itself (eager without graphs)."""
-        if not self.graphs:
+        if not self._graph((idx if x is None else x).shape[:2].numel()):
             return super().hidden(idx, mask, cache, past, start=start, stop=stop, x=x)
         run = self.runs.get((start, stop))
         if run is None:

@@ -21,9 +21,9 @@ head gets an int8 copy of its own. Experts stored as tensors (a mixture of exper
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
+from selfattn.generation.layout import many_rows
 from selfattn.kernels import stream
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # activations the kernels take (not float64)
@@ -58,7 +58,7 @@ class Int8Linear(nn.Module):
                 y = torch._weight_int8pack_mm(rows.to(torch.bfloat16), self.q, self.kernel_scale.to(torch.bfloat16))
                 y = y.to(rows.dtype)
         else:
-            y = F.linear(rows, self.q.to(rows.dtype) * self.scale.to(rows.dtype)[:, None])
+            y = many_rows(rows, self.q.to(rows.dtype) * self.scale.to(rows.dtype)[:, None])
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y.view(*x.shape[:-1], self.out_features)

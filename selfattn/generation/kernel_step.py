@@ -42,6 +42,7 @@ from torch import Tensor, nn
 
 from selfattn.config import GPTConfig
 from selfattn.generation.int8 import Int8Linear
+from selfattn.generation.layout import FEW
 from selfattn.kernels import stream
 from selfattn.kv_cache import KVCache, RollingKVCache
 from selfattn.model import GPT, MLP, GatedMLP
@@ -194,11 +195,14 @@ class KernelStep:
         return self._model()
 
     def serves(self, mask: Tensor | None, cache: Sequence, tokens: int = 1) -> bool:
-        """Whether a step of ``tokens`` a row with this ``mask`` and ``cache`` runs here: no padding,
-        the caches the model makes (a rolling one taking at most its rollback + 1 tokens), and no
+        """Whether a step of ``tokens`` a row with this ``mask`` and ``cache`` runs here: a few rows (up to
+        :data:`~selfattn.generation.layout.FEW`, what its products stream for; a prompt's are BLAS's), no
+        padding, the caches the model makes (a rolling one taking at most its rollback + 1 tokens), and no
         dropout to draw (a model in training mode with dropout steps as it is)."""
         dropout = self.model.training and self.model.config.dropout > 0
-        return mask is None and not dropout and all(_fits(b.attn, c, tokens) for b, c in zip(self.model.blocks, cache))
+        few = len(cache) == 0 or cache[0].k.shape[0] * tokens <= FEW
+        return few and mask is None and not dropout and all(_fits(b.attn, c, tokens)
+                                                            for b, c in zip(self.model.blocks, cache))
 
     def __call__(self, idx: Tensor, cache: Sequence[KVCache | RollingKVCache], past: int) -> Tensor:
         """Logits ``(B, T, V)`` of the tokens ``idx`` ``(B, T)`` at positions ``past ..``, causal among

@@ -14,7 +14,8 @@ of decoding"). The forms (:data:`PRODUCTS`):
   past. The C++ decode kernel (:mod:`selfattn.generation.kernel_step`) runs its products.
 
 Every ``nn.Linear`` becomes a :class:`RowLinear`, which multiplies one row and up to :data:`FEW`
-rows by the chosen forms and more (a prompt) by ``F.linear``. The choice is a rule
+rows by the chosen forms and more (a prompt) by ``F.linear`` (:func:`many_rows`: in float32 for half
+precision where the device does not multiply it natively, as the tiled backend does). The choice is a rule
 (:func:`rule`: ``stream`` wherever it builds, the form that led the timings and that the decode
 kernel serves), never a race: a measurement on a busy machine may pick another form each load,
 and with it take the decode kernel away. ``decode_layout(model, measure=True)`` times the forms on
@@ -36,6 +37,7 @@ from torch import Tensor, nn
 
 from selfattn import _timing
 from selfattn.kernels import stream
+from selfattn.kernels.features import multiplies_natively
 
 HALF = (torch.bfloat16, torch.float16)
 FEW = 16  # up to this many rows a RowLinear takes its few-row form; more rows F.linear
@@ -68,13 +70,13 @@ def stored_in_rows(form: str, dtype: torch.dtype) -> bool:
 
 class RowLinear(nn.Linear):
     """An ``nn.Linear`` that multiplies one row by the form ``one_row`` and 2..:data:`FEW` rows
-    by ``few_rows`` (names of :data:`PRODUCTS`, set by :func:`decode_layout`), more by ``F.linear``."""
+    by ``few_rows`` (names of :data:`PRODUCTS`, set by :func:`decode_layout`), more by :func:`many_rows`."""
     one_row, few_rows = "mv", "linear"
 
     def forward(self, x: Tensor) -> Tensor:
         n = x.numel() // self.in_features if self.in_features else 0  # rows, B·T
         if not 0 < n <= FEW:
-            return F.linear(x, self.weight, self.bias)
+            return many_rows(x, self.weight, self.bias)
         y = PRODUCTS[self.one_row if n == 1 else self.few_rows](self.weight, x.reshape(n, self.in_features))
         if self.bias is not None:
             y = y + self.bias
@@ -82,6 +84,17 @@ class RowLinear(nn.Linear):
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, one_row={self.one_row!r}, few_rows={self.few_rows!r}"
+
+
+def many_rows(x: Tensor, w: Tensor, bias: Tensor | None = None) -> Tensor:
+    """``F.linear(x, w, bias)`` for many rows (a prompt), compute-bound: in half precision where the device
+    multiplies it natively (:func:`~selfattn.kernels.features.multiplies_natively`), else widened to float32
+    and the result rounded back once (an emulated half-precision matmul is many times slower than float32's:
+    ``docs/benchmarks.md``, "Decode against llama.cpp"); each product of two half values is exact in float32,
+    so the two differ only in the order of their sums."""
+    if x.dtype not in HALF or multiplies_natively(x.device, x.dtype):
+        return F.linear(x, w, bias)
+    return F.linear(x.float(), w.float(), None if bias is None else bias.float()).to(x.dtype)
 
 
 def rule(dtype: torch.dtype, device: torch.device) -> str:

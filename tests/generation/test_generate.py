@@ -346,6 +346,24 @@ def test_a_row_linear_takes_its_forms_by_the_number_of_rows(monkeypatch, bias):
         assert calls == called, (shape, calls)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_many_half_rows_are_multiplied_in_float32_where_the_cpu_has_no_native_half(monkeypatch, dtype):
+    """A prompt's products: an emulated half-precision matmul is many times slower than float32's, so
+    they are widened (each product of two half values exact in float32) and rounded back once."""
+    linear = RowLinear(64, 48, bias=True).to(dtype)
+    x = torch.randn(3, FEW, 64).to(dtype)  # 48 rows: many
+    linears = []
+    linear_of_torch = F.linear
+    monkeypatch.setattr(layout.F, "linear", lambda *a: linears.append(a[0].dtype) or linear_of_torch(*a))
+    widened = torch.addmm(linear.bias.float(), x.reshape(-1, 64).float(), linear.weight.float().t())  # (48, 48)
+    for native, computed in ((False, torch.float32), (True, dtype)):  # control: natively, in half
+        monkeypatch.setattr(layout, "multiplies_natively", lambda device, d, native=native: native)
+        linears.clear()
+        y = linear(x)
+        assert linears == [computed] and y.dtype == dtype
+        torch.testing.assert_close(y.reshape(-1, 48).float(), widened, rtol=1e-2, atol=1e-2)
+
+
 def slowed(form):
     product = layout.PRODUCTS[form]
     return lambda w, rows: time.sleep(2e-3) or product(w, rows)

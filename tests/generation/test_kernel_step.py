@@ -14,7 +14,7 @@ from selfattn.generation import compile_decode, decode_layout, generate, kernel_
 from selfattn.generation.compiled import compiled_of
 from selfattn.generation.int8 import quantize_int8
 from selfattn.generation.kernel_step import KernelStep, unsupported
-from selfattn.generation.layout import RowLinear
+from selfattn.generation.layout import FEW, RowLinear
 from selfattn.generation.speculative import Speculative
 from selfattn.generation.steps import Steps
 from selfattn.kernels import features, stream
@@ -118,7 +118,14 @@ def test_a_rolling_cache_is_served_as_many_tokens_as_it_rolls_back_plus_one():
     assert step.serves(None, model.new_cache(1, 40, rollback=3), 4)
     assert not step.serves(None, model.new_cache(1, 40, rollback=3), 5)  # the fifth overwrites a key the first sees
     assert not step.serves(None, llama(window=12).new_cache(1, 40), 1)  # another model's caches
-    assert KernelStep(llama()).serves(None, llama().new_cache(1, 40), 30)  # plain caches: any number
+
+
+def test_a_prompt_of_more_rows_than_the_products_stream_for_is_left_to_blas():
+    model = llama()
+    step = KernelStep(model)
+    assert step.serves(None, model.new_cache(1, 40), FEW) and step.serves(None, model.new_cache(2, 40), FEW // 2)
+    assert not step.serves(None, model.new_cache(1, 40), FEW + 1)
+    assert not step.serves(None, model.new_cache(2, 40), FEW // 2 + 1)
 
 
 @pytest.mark.parametrize("isa", BUILDS)
