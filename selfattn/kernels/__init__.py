@@ -5,8 +5,8 @@
 - :mod:`~selfattn.kernels.build`: the C++ sources compiled on first use for the CPU's vectors, kept
   in a cache, and why a build cannot be had (the callers then keep PyTorch's kernels);
 - :mod:`~selfattn.kernels.stream`: the operators of that library: a few rows times a matrix
-  (``rows``), a few queries over the KV cache (``attend``), and a pre-norm decoder's whole decode
-  step (``step``, which :mod:`selfattn.generation.kernel_step` drives);
+  (``rows``), a few queries over the KV cache (``attend``), and a decoder's whole decode step
+  (``step``, which :mod:`selfattn.generation.kernel_step` drives);
 - the sources: ``stream.h`` (the vector helpers and the product and attention loops both files
   share), ``stream.cpp`` (``rows``, ``attend``), ``decode.cpp`` (``step``).
 

@@ -23,8 +23,8 @@ the build is an AVX2 or AVX-512 one, :func:`attends`).
 The library is built on first use (:mod:`selfattn.kernels.build`) for the widest instruction set the
 CPU runs and the compiler builds (:func:`chosen`); :func:`failure` says why it cannot be used (no
 compiler, a compile error), and the callers then keep PyTorch's kernels. The operators are
-``torch.ops.selfattn_stream_<set>.rows``, ``.attend`` and ``.step`` (a pre-norm decoder's whole
-decode step, :mod:`selfattn.generation.kernel_step`): ``torch.compile`` calls them as they are,
+``torch.ops.selfattn_stream_<set>.rows``, ``.attend`` and ``.step`` (a decoder's whole decode
+step, :mod:`selfattn.generation.kernel_step`): ``torch.compile`` calls them as they are,
 within one graph.
 
 A row's sums take the same order whatever rows come with it, so its result has the same bits
