@@ -10,8 +10,9 @@ The model is written as GPT-2 where GPT-2 can say it, else as the first family t
 :mod:`selfattn.io.export`). ``--adapter`` writes a LoRA run's adapters alone, as a ``peft`` folder.
 
 ``--out FILE.gguf`` writes a GGUF file that llama.cpp runs instead (:mod:`selfattn.io.gguf_export`): the first
-family llama.cpp has an architecture for that says the model, its matrices in ``--type`` (default f32, exact
-for any source: our models compute in float32; f16, bf16 and q8_0 are smaller), read back and checked.
+family llama.cpp has an architecture for that says the model (Llama, Qwen2, Qwen3, Gemma 2, Gemma 3, OLMo 2,
+Phi-3, BLOOM, GPT-2: a run of the default block too), its matrices in ``--type`` (default f32, exact for any
+source: our models compute in float32; f16, bf16 and q8_0 are smaller), read back and checked.
 A file of another type than f32 states its perplexity cost: the perplexity of the file read back and of the
 source on the first :data:`PPL_TOKENS` tokens of ``--ppl-data`` (default: the built-in corpus).
 """
@@ -102,7 +103,8 @@ def _gguf(args: argparse.Namespace, out: Path) -> int:
     print(f"selfattn export: {loaded.source} -> {args.out}")
     print(f"  llama.cpp's {w.architecture} ({w.model_type}): {cfg.n_layer} layers x {cfg.n_head} heads, "
           f"C={cfg.n_embd}, vocab {cfg.vocab_size}, context {cfg.block_size}, "
-          f"{loaded.model.num_params() / 1e6:.2f}M parameters")
+          f"{loaded.model.num_params() / 1e6:.2f}M parameters" + ("; no biases in the model, written as zeros (its "
+                                                                  "architecture needs them)" if w.zero_biases else ""))
     print(f"  {_describe(out)}: " + ", ".join(f"{n} {kind}" for kind, n in w.types.items()) +
           f" tensors; tokenizer {w.tokenizer}" + ("" if loaded.eos else "; no end-of-text token declared (llama.cpp "
                                                    "stops at its default one, id 11 for gpt2 and 2 for llama)"))

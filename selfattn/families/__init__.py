@@ -15,7 +15,8 @@ One small file per family. Each has
 
 :func:`empty` builds the decoder once its sizes are checked against the tensors, then :func:`load`
 (or :func:`state_dict`) fills it, for every family. GPT-2 folders are still read through
-``transformers`` by :mod:`selfattn.io.hf`.
+``transformers`` by :mod:`selfattn.io.hf` (their ``Conv1D`` weights are stored transposed); the
+``gpt2`` mapping serves GGUF files and LoRA adapters (:mod:`selfattn.families.gpt2`).
 """
 from __future__ import annotations
 
@@ -25,13 +26,13 @@ import torch
 from torch import Tensor
 
 from selfattn._validate import listed
-from selfattn.families import _names, bloom, gemma, gpt_oss, llama, olmo2, phi3
+from selfattn.families import _names, bloom, gemma, gpt2, gpt_oss, llama, olmo2, phi3
 from selfattn.model import GPT
 
-FAMILIES = {model_type: family for family in (llama, gemma, phi3, olmo2, bloom, gpt_oss)
+FAMILIES = {model_type: family for family in (llama, gemma, phi3, olmo2, bloom, gpt_oss, gpt2)
             for model_type in family.MODEL_TYPES}
 # llama.cpp's general.architecture -> the model_type it is, as the families declare (their GGUF names)
-GGUF_ARCHITECTURES = {arch: model_type for family in (llama, gemma, phi3, olmo2, bloom, gpt_oss)
+GGUF_ARCHITECTURES = {arch: model_type for family in (llama, gemma, phi3, olmo2, bloom, gpt_oss, gpt2)
                       for arch, model_type in family.GGUF.architectures.items()}
 
 

@@ -21,6 +21,9 @@ A family module that llama.cpp has an architecture for holds ``GGUF = Names(...)
 - ``alternated``: ``transformers``' tensor (in the layer) -> the two ``in_block`` tensors the converter
   splits it into, taking its even and odd entries along the last dimension (gpt-oss's gate and up
   projections), read back alternated (after ``transposed``);
+- ``fixed``: ``config.json`` key -> the value llama.cpp's architecture computes whatever the file says
+  (GPT-2's GELU, its tanh approximation; Phi-3's sliding window, none), filled in when a file is read; the
+  writer refuses a model that computes another;
 - ``derive(arch, value, config)``: the config fields llama.cpp derives by its own rules rather than reads
   (Gemma 3's sliding pattern, say), filled into ``config``; ``value(key, kind, default)`` reads a field;
   a field it refuses is a :class:`FieldError`.
@@ -77,6 +80,7 @@ class Names:
     by_head: frozenset[str] = frozenset()
     transposed: frozenset[str] = frozenset()
     alternated: dict[str, tuple[str, str]] = field(default_factory=dict)
+    fixed: dict[str, object] = field(default_factory=dict)
     derive: Callable[[str, Callable, dict], None] | None = None
 
     def hf_name(self, name: str) -> str:

@@ -9,8 +9,14 @@ Weights: the fused ``query_key_value`` interleaves q, k and v per head (rows ``(
 ``dense_4h_to_h`` are ``c_fc`` and ``c_proj``.
 
 GGUF (llama.cpp's architecture bloom, :data:`GGUF`): the converter regroups ``query_key_value``'s rows as q, k,
-v apart (``attn_qkv``), put back per head when read; llama.cpp's ALiBi has the same slopes (its maximum
-bias 8, fixed), its MLP is ``feed_forward_length`` wide (4C as the converter writes it).
+v apart (``attn_qkv``), put back per head when read (and regrouped so when written); llama.cpp's ALiBi has
+the same slopes (its maximum bias 8, fixed), its MLP is ``feed_forward_length`` wide (4C as the converter
+writes it).
+
+:func:`hf_config` says a model as BLOOM's ``config.json`` (for the GGUF writer, :mod:`selfattn.families.writing`),
+with the sizes under ``transformers``' generic names beside (``num_hidden_layers``, ``intermediate_size``,
+``max_position_embeddings``: what the GGUF fields are read from); its context is :data:`BLOCK_SIZE`, as every
+BLOOM's read here.
 """
 from __future__ import annotations
 
@@ -73,3 +79,14 @@ def arrange(key: str, tensor: Tensor, config: GPTConfig) -> Tensor:
     H = config.n_head
     per_head = tensor.unflatten(0, (H, 3, -1))  # (H, 3, D[, C])
     return per_head.transpose(0, 1).flatten(0, 2)  # (3·H·D[, C]) with q, k, v apart
+
+
+def hf_config(config: GPTConfig, model_type: str) -> dict:
+    """The ``config.json`` of BLOOM for ``config`` (read it back with :func:`config` to know whether it
+    says all of ``config``)."""
+    c = config
+    return dict(architectures=["BloomForCausalLM"], model_type=model_type, vocab_size=c.vocab_size,
+                hidden_size=c.n_embd, num_hidden_layers=c.n_layer, num_attention_heads=c.n_head,
+                intermediate_size=4 * c.n_embd, max_position_embeddings=c.block_size,
+                layer_norm_epsilon=c.layer_norm_eps, apply_residual_connection_post_layernorm=False,
+                tie_word_embeddings=c.tie_embeddings)

@@ -10,8 +10,11 @@ GGUF (llama.cpp's architecture phi3, :data:`GGUF`): the fused projections keep t
 ``ffn_up`` of gate then up); the converter writes the rotated channels (``rope.dimension_count``), LongRoPE's
 factors as two tensors (``rope_factors_long``, ``rope_factors_short``) with ``rope.scaling.attn_factor`` and
 ``rope.scaling.original_context_length``. What llama.cpp cannot represent: the sliding window (its phi3 reads
-``attention.sliding_window`` and turns it off); it takes the long factors when its context is longer than
-the original, where ``transformers`` (and this library) looks at the sequence.
+``attention.sliding_window`` and turns it off: :data:`GGUF`'s ``fixed``); it takes the long factors when its
+context is longer than the original, where ``transformers`` (and this library) looks at the sequence, so a
+LongRoPE model is read but not written.
+
+:func:`hf_config` says a model as Phi-3's ``config.json`` (for the GGUF writer, :mod:`selfattn.families.writing`).
 """
 from __future__ import annotations
 
@@ -28,8 +31,7 @@ IN_LAYER = {**llama.IN_LAYER, "attn.qkv": "self_attn.qkv_proj", "mlp.gate_up_pro
 
 
 def _derive(arch: str, value, c: dict) -> None:
-    """llama.cpp's phi3: no sliding window whatever the file says; LongRoPE's original length (its own key)."""
-    c["sliding_window"] = None
+    """llama.cpp's phi3: LongRoPE's original length (its own key)."""
     c["original_max_position_embeddings"] = value("rope.scaling.original_context_length", int,
                                                   c["max_position_embeddings"])
 
@@ -37,7 +39,7 @@ def _derive(arch: str, value, c: dict) -> None:
 GGUF = _gguf.Names({"phi3": "phi3"}, in_block={"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
                                                "attn_qkv": "self_attn.qkv_proj", "attn_output": "self_attn.o_proj",
                                                "ffn_up": "mlp.gate_up_proj", "ffn_down": "mlp.down_proj"},
-                   derive=_derive)
+                   fixed={"sliding_window": None}, derive=_derive)  # its phi3 turns any window off
 
 
 @_config.naming_the_file
@@ -61,3 +63,19 @@ def config(hf: dict, blocks: int | None = None) -> GPTConfig:
 
 def sources(key: str, config: GPTConfig) -> list[str]:
     return _names.sources(key, config, outside=llama.OUTSIDE, layer=LAYER, in_layer=IN_LAYER)
+
+
+def hf_config(config: GPTConfig, model_type: str) -> dict:
+    """The ``config.json`` of Phi-3 for ``config`` (read it back with :func:`config` to know whether it
+    says all of ``config``)."""
+    c = config
+    head_dim = c.n_embd // c.n_head
+    scaling = c.rope_scaling or {}
+    return dict(architectures=["Phi3ForCausalLM"], model_type=model_type, vocab_size=c.vocab_size,
+                hidden_size=c.n_embd, intermediate_size=c.intermediate_size or 4 * c.n_embd,
+                num_hidden_layers=c.n_layer, num_attention_heads=c.n_head, num_key_value_heads=c.n_kv_head or c.n_head,
+                hidden_act="silu", max_position_embeddings=c.block_size,
+                original_max_position_embeddings=scaling.get("original_max_position_embeddings", c.block_size),
+                rms_norm_eps=c.layer_norm_eps, tie_word_embeddings=c.tie_embeddings, sliding_window=c.window,
+                partial_rotary_factor=(c.rope_dims or head_dim) / head_dim,
+                rope_parameters={"rope_type": "default", **scaling, "rope_theta": c.rope_base})

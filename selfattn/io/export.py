@@ -25,7 +25,6 @@ work and again just before the rename, in case a run started there meanwhile.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import os
 import shutil
@@ -164,24 +163,10 @@ def check_target(out_dir: str | os.PathLike, force: bool, *, flags: bool = False
         raise ValueError(f"will not replace {str(out)!r}: it holds the current directory")
 
 
-def _with_zero_biases(gpt: GPT) -> GPT:
-    """``gpt`` itself when it has every bias, else the same function with every bias present and zero."""
-    cfg = gpt.config
-    if cfg.bias and cfg.qkv_bias is not False and cfg.proj_bias is not False:
-        return gpt
-    w = gpt.wte.weight
-    twin = GPT(dataclasses.replace(cfg, bias=True, qkv_bias=None, proj_bias=None)).to(device=w.device, dtype=w.dtype)
-    missing = twin.load_state_dict(gpt.state_dict(), strict=False).missing_keys
-    with torch.no_grad():
-        for name in missing:  # exactly the biases: every other tensor was loaded
-            twin.get_parameter(name).zero_()
-    return twin.train(gpt.training)
-
-
 def _gpt2(gpt: GPT, special: Special):
     """``gpt`` as a ``GPT2LMHeadModel`` in eval mode, ``special`` its configs' special tokens."""
     with torch.random.fork_rng(devices=[]):  # building the models draws initial weights: leave the caller's RNG be
-        hf_model = to_hf(_with_zero_biases(gpt)).eval()
+        hf_model = to_hf(writing.with_zero_biases(gpt)).eval()
     for config in (hf_model.config, hf_model.generation_config):
         for name, value in _special_ids(special).items():
             setattr(config, name, value)

@@ -4,10 +4,10 @@
 name beside ``out``, reads it back with the loader every command uses (:func:`selfattn.io.loading.load`),
 and renames it into place only when the model read back is the model written: the same decoder, field for
 field (its float fields, an epsilon say, as float32, as the file stores them; a RoPE rule the same rotations
-however it is written). What the file cannot say (LongRoPE, say) is refused, naming each field
-and both values. Its float32 logits are compared with ours on :data:`~selfattn.io.export.PROBE_TOKENS`
-tokens (F32: the same; F16, BF16 and Q8_0: what rounding the weights costs). A kill leaves the old file or
-the new one, never part of one.
+however it is written; biases the model lacks and the file holds as zeros, the same function). What the file
+cannot say is refused, naming each field and both values. Its float32 logits are compared with ours on
+:data:`~selfattn.io.export.PROBE_TOKENS` tokens (F32: the same; F16, BF16 and Q8_0: what rounding the weights
+costs). A kill leaves the old file or the new one, never part of one.
 """
 from __future__ import annotations
 
@@ -48,7 +48,8 @@ def export_gguf(gpt: GPT, tokenizer, out: str | os.PathLike, *, type: str = "f32
         written = gguf_write.write(gpt, tokenizer, tmp, type=type, bos=special.bos, eos=special.eos,
                                    chat_template=special.chat_template, source=source)
         back = load(tmp).model.eval()
-        ours, theirs = (_as_float32(writing.computes(m.config)) for m in (gpt, back))
+        written_config = writing.with_biases(gpt.config) if written.zero_biases else gpt.config  # zeros: the same
+        ours, theirs = (_as_float32(writing.computes(c)) for c in (written_config, back.config))
         differ = [f"{name}={ours[name]!r} (the file says {theirs[name]!r})" for name in ours
                   if ours[name] != theirs[name] and not (name == "rope_base" and _same_rope(gpt.config, back.config))]
         if differ:

@@ -246,7 +246,9 @@ def _starts_gguf(path: Path) -> bool:
         return f.read(4) == b"GGUF"
 
 
-_FAMILIES = {"gpt2": _load_gpt2} | dict.fromkeys(families.FAMILIES, _load_family)  # model_type -> loader of its folders
+# model_type -> the loader of its folders; GPT-2's through transformers (its Conv1D weights are stored transposed)
+_FAMILIES = {"gpt2": _load_gpt2} | {model_type: _load_family for model_type in families.FAMILIES
+                                    if model_type != "gpt2"}
 
 
 def _newline(tokenizer) -> int | None:

@@ -182,7 +182,7 @@ def test_a_damaged_or_foreign_file_is_one_line_naming_the_file_and_what_is_cut(h
     (dict(tensors={"blk.1.ffn_norm.weight": np.ones(64, np.int32)}),
      "tensor blk.1.ffn_norm.weight is of type I32, which gguf cannot dequantise (it reads F32, F16, Q4_0"),
     (dict(arch="falcon"), "general.architecture 'falcon' is not supported; this version reads llama, qwen2, qwen3, "
-     "gemma2, gemma3, phi3, olmo2, bloom, gpt-oss GGUF files"),
+     "gemma2, gemma3, phi3, olmo2, bloom, gpt-oss, gpt2 GGUF files"),
     (dict(metadata={"llama.rope.dimension_count": (8, V.UINT32)}),
      "llama.rope.dimension_count is 8, not the head size 16: RoPE on part of each head is not supported"),
     (dict(metadata={"llama.rope.scaling.type": ("dynamic", V.STRING)}),

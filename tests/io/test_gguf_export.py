@@ -4,10 +4,9 @@ Qwen3, OLMo 2, Gemma 2 and Gemma 3, each with its own fixes: q/k rows interleave
 stored as 1 + w, a sliding pattern of its own; linear, YaRN and Llama 3 RoPE scaling); the file read back
 computes our logits; each type holds our weights rounded to it; llama-tokenize gives our tokenizer's ids.
 Controls: without the q/k interleave, or without the sliding pattern, llama.cpp's continuation differs.
-Every model is small and random (scrambled); the real one (SmolLM2) is marked slow."""
-import contextlib
+Every model is small and random (scrambled); the real one (SmolLM2) is marked slow. GPT-2, BLOOM and Phi-3:
+test_gguf_export_families.py."""
 import dataclasses
-import io
 import re
 
 import gguf
@@ -16,10 +15,8 @@ import tokenizers
 import torch
 from tokenizers import Regex, decoders, pre_tokenizers
 
-from selfattn.cli import main as cli
 from selfattn.config import GPTConfig
 from selfattn.families import writing
-from selfattn.generation import generate
 from selfattn.io.export import Special
 from selfattn.io.formats import gguf_write
 from selfattn.io.gguf_export import export_gguf
@@ -27,8 +24,9 @@ from selfattn.io.loading import load
 from selfattn.tokenizers import BPETokenizer, ByteTokenizer, SentencePieceTokenizer
 from selfattn.training import checkpoint
 
+from helpers.gguf_export import PROMPT, TOKENS, assert_llama_cpp_continues_as_we_do, command, ours, text
 from helpers.llama_cpp import complete, tokenize
-from helpers.models import assert_same_logits, scrambled
+from helpers.models import scrambled
 from helpers.smollm2 import smollm2
 
 SIZES = dict(vocab_size=256, block_size=128, n_layer=3, n_head=4, n_embd=64)
@@ -48,8 +46,6 @@ CASES = {  # a test model -> its family (model_type) and what it sets beyond SIZ
     "gemma3": ("gemma3_text", dict(n_kv_head=2, intermediate_size=96, head_dim=16, window=16,
                                    window_layers=[True, False, True], window_rope_base=1e4, rope_base=1e6)),
 }
-PROMPT = "The cat sat on the mat; the dog sat on the log."  # 48 bytes: past Gemma's window of 16
-TOKENS = 24
 
 
 def model(case: str, **overrides):
@@ -65,16 +61,6 @@ def model(case: str, **overrides):
     return gpt
 
 
-def ours(gpt, tokenizer, prompt: str, n: int = TOKENS) -> list[int]:
-    ids = tokenizer.encode(prompt, special=True)
-    return [int(t) for t in generate(gpt.eval(), torch.tensor([ids]), n, temperature=0)]
-
-
-def text(tokenizer, ids) -> bytes:
-    """The bytes of ``ids`` as llama-completion prints them: each token's text as a C string (a NUL: nothing)."""
-    return b"".join(tokenizer.token_bytes(i) for i in ids).replace(b"\0", b"")
-
-
 def tensor_types(path) -> dict[str, str]:
     return {t.name: t.tensor_type.name for t in gguf.GGUFReader(path).tensors}
 
@@ -85,12 +71,7 @@ def test_llama_cpp_continues_the_file_byte_for_byte_as_we_continue_the_model(cas
     done = export_gguf(gpt, byte, tmp_path / "m.gguf")
     assert done.written.architecture == case.split("-")[0]
     assert set(done.written.types) == {"F32"}
-    idx = torch.randint(0, 256, (2, 80), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        assert_same_logits(done.model(idx)[0], gpt.eval()(idx)[0])  # the file read back computes our logits
-    expected = ours(gpt, byte, PROMPT)
-    assert len(set(expected)) > 5 and 11 not in expected  # not a repetition; 11 would stop llama.cpp (its eos)
-    assert complete(done.path, PROMPT) == text(byte, expected)
+    assert_llama_cpp_continues_as_we_do(done, gpt, byte)
 
 
 def test_without_the_q_k_interleave_llama_cpps_continuation_differs(tmp_path, monkeypatch):  # control
@@ -184,9 +165,9 @@ def test_a_sentencepiece_tokenizer_is_written_as_llama_cpps_and_gives_our_ids(tm
 
 
 def test_a_model_llama_cpp_cannot_say_is_refused_in_one_line_naming_why(tmp_path):
-    gpt2_shaped = scrambled(GPTConfig(**SIZES))
-    with pytest.raises(ValueError, match="GPT-2-shaped.*--arch llama") as e:
-        export_gguf(gpt2_shaped, ByteTokenizer(), tmp_path / "m.gguf")
+    unsaid = scrambled(GPTConfig(**SIZES, norm="rmsnorm"))  # learned positions and RMSNorm: no family's
+    with pytest.raises(ValueError, match="llama.cpp runs none of the families .* gpt2 .* computes it") as e:
+        export_gguf(unsaid, ByteTokenizer(), tmp_path / "m.gguf")
     assert "\n" not in str(e.value)
     scaled = model("gemma3", attn_scale=24 ** -0.5)  # llama.cpp's gemma3 scales by head_dim ** -0.5, no field says
     with pytest.raises(ValueError, match=r"gemma3 file cannot say this model: attn_scale=0.204.* \(the file says 0.25"):
@@ -213,13 +194,6 @@ def run(tmp_path_factory):
     checkpoint.save(folder, 1, gpt, torch.optim.AdamW(gpt.parameters()), keep=1,
                     meta={"model": dataclasses.asdict(gpt.config), "tokenizer": ByteTokenizer().spec(), "step": 1})
     return folder
-
-
-def command(*args) -> tuple[int, str, str]:
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = cli(list(args))
-    return code, out.getvalue(), err.getvalue()
 
 
 def test_the_command_writes_a_run_that_llama_cpp_continues_as_selfattn_sample_does(run, tmp_path):

@@ -161,4 +161,4 @@ def test_without_a_fix_the_logits_differ(converted, monkeypatch, control):  # th
 def test_every_family_case_is_converted_and_every_declared_architecture_is_written():
     declared = {arch for family in FAMILIES.values() for arch in family.GGUF.architectures}
     assert set(CASES) == set(families.CASES)
-    assert {arch for arch, _, _ in CASES.values()} == declared
+    assert {arch for arch, _, _ in CASES.values()} | {"gpt2"} == declared  # GPT-2's: test_gguf_export_families.py

@@ -228,7 +228,7 @@ def test_folders_that_do_not_fit_the_model_are_refused(tmp_path):
     (dict(rank=2, alpha=0), ValueError, "alpha must be a finite number > 0, got 0"),
     (dict(rank=2, alpha=-1.5), ValueError, r"alpha must be a finite number > 0, got -1\.5"),
     (dict(rank=2, dropout=1.0), ValueError, r"dropout must be in \[0, 1\), got 1\.0"),
-    (dict(rank=2, family="gpt2"), ValueError, "unknown family 'gpt2'"),
+    (dict(rank=2, family="gpt_neox"), ValueError, "unknown family 'gpt_neox'"),
 ])
 def test_bad_settings_are_refused_naming_the_value_and_change_nothing(kw, error, match):
     model = GPT(small(**VARIANTS["llama-shaped"]))  # C = 32, k and v 2 heads of 16 rows: rank 32 at most

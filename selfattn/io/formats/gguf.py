@@ -5,7 +5,8 @@ the family of its ``general.architecture`` declares (its ``GGUF``, :mod:`selfatt
 
 - its metadata into a ``transformers``-style ``config.json`` dict (``gemma3`` is ``model_type`` gemma3_text,
   ``gemma3.embedding_length`` is ``hidden_size``, and so on; what llama.cpp derives by rule rather than
-  reads, the family derives alike; the RoPE rule as llama.cpp reads it, its per-frequency factors tensors
+  reads, the family derives alike, and what it computes one way whatever the file says (GPT-2's GELU, Phi-3's
+  window: none), the family fixes alike; the RoPE rule as llama.cpp reads it, its per-frequency factors tensors
   included (:func:`selfattn.families._gguf.rope`); no ``output.weight`` tensor means tied embeddings;
   bos/eos from the tokenizer's fields);
 - its tensors into a lazy mapping under ``transformers``' names (``token_embd.weight`` is
@@ -228,6 +229,7 @@ def _config(metadata: Metadata, arch: str, names, reader) -> dict:
         t = stored.get(name)
         return None if t is None else ggml_blocks.dequantize(t.data, t.tensor_type).tolist()
 
+    c |= names.fixed  # what llama.cpp's architecture computes whatever the file says
     try:
         if "rope_theta" in names.fields:
             rope(value, factors, c, c["head_dim"] or c["hidden_size"] // c["num_attention_heads"])

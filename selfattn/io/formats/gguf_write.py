@@ -1,21 +1,27 @@
 """Our decoder and its tokenizer as a GGUF file that llama.cpp runs, written with the ``gguf`` package
 (llama.cpp's own writer): the inverse of :mod:`selfattn.io.formats.gguf` and :mod:`selfattn.tokenizers.gguf`.
 
-The architecture is that of the first family of :data:`selfattn.families.writing.ARCHS` that declares llama.cpp's
-names (its ``GGUF``, :mod:`selfattn.families._gguf`) and whose ``config.json`` says all of the model
-(:func:`selfattn.families.writing.folder_config`); :func:`architecture` says which. By that declaration, inverted:
+The architecture is that of the first family of :data:`selfattn.families.writing.WRITTEN` (Llama, Qwen2, Qwen3,
+Gemma 2, Gemma 3, OLMo 2, Phi-3, BLOOM, GPT-2) that declares llama.cpp's names (its ``GGUF``,
+:mod:`selfattn.families._gguf`) and whose ``config.json`` says all of the model, or else of the model with a
+zero bias wherever it has none (the same function: a GPT-2-shaped run of ``selfattn train``, written with
+the biases llama.cpp's gpt2 needs), and computes what llama.cpp's architecture computes whatever its file says
+(the family's ``fixed``: GPT-2's GELU is the tanh approximation, Phi-3 has no window); :func:`architecture`
+says which. By that declaration, inverted:
 
 - metadata: each declared field ``<arch>.<field>`` from the ``config.json`` key it is read into (the RoPE
   base from ``rope_parameters``, the global layers' where each kind of layer has its own), ``vocab_size``,
   ``attention.value_length`` beside ``key_length``; and what llama.cpp reads under its own generic keys, so
-  that no rule has to derive it: the window (``attention.sliding_window``), which layers slide
-  (``attention.sliding_window_pattern``, a bool a layer), the sliding layers' RoPE base
-  (``rope.freq_base_swa``), the soft-caps (``attn_logit_softcapping``, ``final_logit_softcapping``), a
-  linear or YaRN RoPE scaling (``rope.scaling.*``; Llama 3's rule is the tensor ``rope_freqs``);
+  that no rule has to derive it: the rotated channels of a head (``rope.dimension_count``), the window
+  (``attention.sliding_window``), which layers slide (``attention.sliding_window_pattern``, a bool a layer),
+  the sliding layers' RoPE base (``rope.freq_base_swa``), the soft-caps (``attn_logit_softcapping``,
+  ``final_logit_softcapping``), a linear or YaRN RoPE scaling (``rope.scaling.*``; Llama 3's rule is the
+  tensor ``rope_freqs``; LongRoPE is refused: llama.cpp picks its long or short factors by another rule);
 - tensors under llama.cpp's names (a tied head written once, as ``token_embd``; a tensor the architecture has
   no place for in ``gguf``'s table of llama.cpp's tensors is refused: Gemma 2's untied head), the norm offset
   added to every norm weight (Gemma's ``1 + w``), the q/k rows (and biases) of an ``interleaved``
-  architecture permuted as llama.cpp's converter permutes them for its RoPE (Llama's);
+  architecture permuted as llama.cpp's converter permutes them for its RoPE (Llama's), the rows (and bias)
+  of a ``by_head`` fused q, k, v regrouped from the folder's per head to q, k, v apart (BLOOM's);
 - each matrix in the type asked for (:data:`TYPES`: F32, F16, BF16 or Q8_0, quantised by ``gguf.quants``;
   a Q8_0 matrix whose rows are no whole blocks of 32 is F16, as the converter does), every 1-D tensor
   (norms, biases) in F32;
@@ -28,9 +34,11 @@ names (its ``GGUF``, :mod:`selfattn.families._gguf`) and whose ``config.json`` s
   ``add_eos_token`` say what our tokenizer puts around a prompt, and the bos, eos (a second one as the
   end-of-turn token) and chat template given are written.
 
-A model no declared family says, or a tokenizer llama.cpp would split otherwise, is one ValueError naming
-what is missing. What the fields cannot carry (LongRoPE, say) is not checked here: read the file
-back and compare (:mod:`selfattn.io.gguf_export` does).
+A model no declared family says, one llama.cpp computes otherwise (naming each field and both values), or a
+tokenizer llama.cpp would split otherwise, is one ValueError naming what is missing. What the fields cannot
+carry beyond that is not checked here: read the file back and compare (:mod:`selfattn.io.gguf_export` does).
+Not written: gpt-oss (its mixture of experts: writing its experts transposed and split is not built), a window
+on a Llama, Mistral or Qwen (llama.cpp's llama, qwen2 and qwen3 read none).
 """
 from __future__ import annotations
 
@@ -74,20 +82,46 @@ class Written:
     model_type: str  # the transformers family it is (its config.json's model_type)
     types: dict[str, int]  # tensor type -> how many tensors are of it ("F32": 5, "Q8_0": 9)
     tokenizer: str  # tokenizer.ggml.model, and its pre-tokenizer where it has one: "gpt2 (pre gpt-2)"
+    zero_biases: bool = False  # the model lacks biases llama.cpp's architecture needs: written as zeros
 
 
-def architecture(config) -> tuple[str, str, dict]:
-    """(llama.cpp's architecture, the family's model_type, its ``config.json`` dict) that says all of
-    ``config`` (a :class:`~selfattn.model.GPTConfig`); a ValueError naming the families tried when none does."""
+def architecture(config) -> tuple[str, str, dict, bool]:
+    """(llama.cpp's architecture, the family's model_type, its ``config.json`` dict, whether biases the model
+    lacks are written as zeros) that says all of ``config`` (a :class:`~selfattn.model.GPTConfig`): the first
+    family of :data:`selfattn.families.writing.WRITTEN` with llama.cpp's names whose ``config.json`` says the
+    model, or else the model with zero biases, and whose ``fixed`` values it computes. A ValueError naming what
+    llama.cpp computes instead when only such a family says it, else naming the families tried."""
     declared = {model_type: arch for arch, model_type in GGUF_ARCHITECTURES.items()}
-    archs = tuple(a for a in writing.ARCHS if a in declared)
-    found = writing.folder_config(config, archs)
-    if found is None:
-        raise ValueError(f"llama.cpp runs none of the families that could say this model: no family of "
-                         f"{', '.join(archs)} (those with llama.cpp's names) computes it, so no GGUF file says it"
-                         + ("; a GPT-2-shaped model (learned positions, LayerNorm, GELU) is not written to GGUF: train "
-                            "with --arch llama" if config.pos == "learned" else ""))
-    return declared[found[0]], found[0], found[1]
+    archs = tuple(a for a in writing.WRITTEN if a in declared)
+    clashes = []
+    biased = writing.with_biases(config)
+    for c in [config] + ([biased] if biased != config else []):
+        for model_type in archs:
+            hf = writing.says(c, model_type)
+            clash = None if hf is None else _clash(declared[model_type], model_type, hf, c)
+            if hf is not None and clash is None:
+                return declared[model_type], model_type, hf, c is biased
+            clashes += [clash] if clash else []
+    if clashes:
+        raise ValueError(clashes[0])
+    raise ValueError(f"llama.cpp runs none of the families that could say this model: no family of "
+                     f"{', '.join(archs)} (those with llama.cpp's names) computes it, so no GGUF file says it")
+
+
+def _clash(arch: str, model_type: str, hf: dict, config) -> str | None:
+    """Why llama.cpp's ``arch`` computes another model than ``config`` (which ``model_type``'s ``config.json``
+    ``hf`` says) whatever its file says (the family's ``fixed`` values): each field and both values; None when
+    it computes the same."""
+    family = FAMILIES[model_type]
+    if not family.GGUF.fixed:
+        return None
+    ours, theirs = (writing.computes(c) for c in (config, family.config({**hf, **family.GGUF.fixed}, model_type)))
+    differ = [f"{name}={ours[name]!r} (llama.cpp's: {theirs[name]!r})" for name in ours if ours[name] != theirs[name]]
+    if not differ:
+        return None
+    fixed = ", ".join(f"{key} {value!r}" for key, value in family.GGUF.fixed.items())
+    return (f"llama.cpp's {arch} computes {model_type}'s {fixed} whatever a file says, so no GGUF file says this "
+            f"model: " + "; ".join(differ))
 
 
 def write(gpt: GPT, tokenizer, path: str | os.PathLike, *, type: str = "f32", bos: int | None = None,
@@ -105,7 +139,8 @@ def write(gpt: GPT, tokenizer, path: str | os.PathLike, *, type: str = "f32", bo
         raise ValueError(f"unknown GGUF tensor type {type!r}; choose one of {', '.join(TYPES)}")
     if not isinstance(gpt, GPT):
         raise TypeError(f"write expects a selfattn GPT, got {gpt.__class__.__name__}")
-    arch, model_type, hf = architecture(gpt.config)
+    arch, model_type, hf, zero_biases = architecture(gpt.config)
+    gpt = writing.with_zero_biases(gpt) if zero_biases else gpt  # llama.cpp's architecture needs them
     names = FAMILIES[model_type].GGUF
     vocab = gpt.config.vocab_size
     fields = _copied(source) if _is_gguf(source) else _tokenizer_fields(tokenizer, vocab)
@@ -131,7 +166,8 @@ def write(gpt: GPT, tokenizer, path: str | os.PathLike, *, type: str = "f32", bo
     w.write_tensors_to_file()
     w.close()
     pre = fields.get(gguf.Keys.Tokenizer.PRE)
-    return Written(arch, model_type, types, fields[gguf.Keys.Tokenizer.MODEL] + (f" (pre {pre})" if pre else ""))
+    return Written(arch, model_type, types, fields[gguf.Keys.Tokenizer.MODEL] + (f" (pre {pre})" if pre else ""),
+                   zero_biases)
 
 
 def _metadata(arch: str, names, hf: dict, config) -> dict:
@@ -150,7 +186,8 @@ def _metadata(arch: str, names, hf: dict, config) -> dict:
     out[f"{arch}.vocab_size"] = config.vocab_size
     c = config
     slides = [c.layer_window(i) is not None for i in range(c.n_layer)]
-    generic = {"attention.sliding_window": c.window, "rope.freq_base_swa": c.window_rope_base,
+    generic = {"rope.dimension_count": c.rope_dims, "attention.sliding_window": c.window,
+               "rope.freq_base_swa": c.window_rope_base,
                "attn_logit_softcapping": c.softcap, "final_logit_softcapping": c.logit_softcap,
                "attention.sliding_window_pattern": slides if c.window else None,
                **_rope_scaling(c.rope_scaling or {})}
@@ -159,9 +196,13 @@ def _metadata(arch: str, names, hf: dict, config) -> dict:
 
 def _rope_scaling(s: dict) -> dict:
     """llama.cpp's fields of a RoPE scaling rule: linear, or YaRN (its attention factor as a multiple of
-    llama.cpp's own, 0.1 ln(factor) + 1). Another rule writes none here (Llama 3's is a tensor; LongRoPE's
-    is not written: the file reads back as another model)."""
+    llama.cpp's own, 0.1 ln(factor) + 1). Llama 3's writes none here (it is a tensor); LongRoPE's is a
+    ValueError: llama.cpp computes it otherwise."""
     kind, factor = s.get("rope_type"), s.get("factor")
+    if kind == "longrope":
+        raise ValueError("rope_scaling of rope_type 'longrope' is not written to GGUF: llama.cpp takes the long "
+                         "factors when its context is longer than original_max_position_embeddings, this library "
+                         "(as transformers) when the sequence is, so the file would compute another model")
     if kind == "linear":
         return {"rope.scaling.type": "linear", "rope.scaling.factor": float(factor)}
     if kind != "yarn":
@@ -197,6 +238,8 @@ def _tensors(arch: str, names, model_type: str, gpt: GPT) -> dict:
         module = name.split(".")[-2]
         if arch in names.interleaved and module in heads:
             a = _interleave(a, heads[module])
+        if module in names.by_head:
+            a = _regroup(a, config.n_head)
         if names.norm_offset and name.endswith("norm.weight"):
             a += np.float32(names.norm_offset)
         out[name] = a
@@ -213,6 +256,12 @@ def _interleave(a, heads: int):
     """llama.cpp's converter's permutation of q or k rows (its ``LlamaModel.permute``): per head, the rows
     of the two RoPE halves interleaved."""
     return a.reshape(heads, 2, a.shape[0] // heads // 2, *a.shape[1:]).swapaxes(1, 2).reshape(a.shape)
+
+
+def _regroup(a, heads: int):
+    """llama.cpp's converter's regrouping of a fused q, k, v tensor's rows (or bias) from per head
+    (``(H, 3, D)``: BLOOM's in ``transformers``) to q, k, v apart (``(3, H, D)``)."""
+    return a.reshape(heads, 3, a.shape[0] // heads // 3, *a.shape[1:]).swapaxes(0, 1).reshape(a.shape)
 
 
 def _tokenizer_fields(tokenizer, vocab: int) -> dict:
