@@ -11,8 +11,8 @@ The model is written as GPT-2 where GPT-2 can say it, else as the first family t
 
 ``--out FILE.gguf`` writes a GGUF file that llama.cpp runs instead (:mod:`selfattn.io.gguf_export`): the first
 family llama.cpp has an architecture for that says the model (Llama, Qwen2, Qwen3, Gemma 2, Gemma 3, OLMo 2,
-Phi-3, BLOOM, GPT-2: a run of the default block too), its matrices in ``--type`` (default f32, exact for any
-source: our models compute in float32; f16, bf16 and q8_0 are smaller), read back and checked.
+Phi-3, BLOOM, GPT-2: a run of the default block too; gpt-oss), its matrices in ``--type`` (default f32, exact for
+any source: our models compute in float32; f16, bf16 and q8_0 are smaller), read back and checked.
 A file of another type than f32 states its perplexity cost: the perplexity of the file read back and of the
 source on the first :data:`PPL_TOKENS` tokens of ``--ppl-data`` (default: the built-in corpus).
 """
@@ -41,7 +41,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--force", action="store_true",
                    help="replace --out when it exists and is not empty (a run folder is refused even so)")
     p.add_argument("--type", choices=TYPES, default=None,
-                   help="a GGUF file's matrix type (1-D tensors stay f32); unset: f32, exact")
+                   help="a GGUF file's matrix type (1-D tensors, biases, a router stay f32); unset: f32, exact")
     p.add_argument("--ppl-data", default=None, metavar="FILE",
                    help="a GGUF file not in f32: the text its perplexity cost is measured on (its first "
                         f"{PPL_TOKENS} tokens); unset: the built-in corpus")

@@ -22,8 +22,8 @@ A family module that llama.cpp has an architecture for holds ``GGUF = Names(...)
   splits it into, taking its even and odd entries along the last dimension (gpt-oss's gate and up
   projections), read back alternated (after ``transposed``);
 - ``fixed``: ``config.json`` key -> the value llama.cpp's architecture computes whatever the file says
-  (GPT-2's GELU, its tanh approximation; Phi-3's sliding window, none), filled in when a file is read; the
-  writer refuses a model that computes another;
+  (GPT-2's GELU, its tanh approximation; Phi-3's sliding window, none; gpt-oss's experts' clamp, 7), filled in
+  when a file is read; the writer refuses a model that computes another;
 - ``derive(arch, value, config)``: the config fields llama.cpp derives by its own rules rather than reads
   (Gemma 3's sliding pattern, say), filled into ``config``; ``value(key, kind, default)`` reads a field;
   a field it refuses is a :class:`FieldError`.

@@ -2,7 +2,7 @@
 
 :data:`ARCHS` are the families a model can be written as, and a training run can choose the
 block of (``selfattn train --arch``: :func:`block`); :data:`WRITTEN` adds those whose ``config.json``
-is written for a GGUF file only (Phi-3, BLOOM, GPT-2's generic one). :func:`folder_config` finds the
+is written for a GGUF file only (Phi-3, BLOOM, GPT-2's generic one, gpt-oss). :func:`folder_config` finds the
 family whose ``config.json`` says everything a :class:`~selfattn.model.GPTConfig` computes (:func:`says`:
 it writes one with the family's ``hf_config`` and reads it back with the family's ``config``; a family
 that cannot say some field reads back another decoder and is passed over). :func:`folder_tensors` names
@@ -23,7 +23,7 @@ from selfattn.families import FAMILIES
 from selfattn.model import GPT
 
 ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "olmo2")  # in the order tried
-WRITTEN = (*ARCHS, "phi3", "bloom", "gpt2")  # every family whose config.json is written (hf_config), in order
+WRITTEN = (*ARCHS, "phi3", "bloom", "gpt2", "gpt_oss")  # the families whose config.json is written, in order
 
 
 def block(arch: str, sizes: dict) -> dict:

@@ -1,14 +1,18 @@
 """`selfattn export --out FILE.gguf` for the families llama.cpp has an architecture for beyond those of
 test_gguf_export.py: GPT-2 (llama.cpp's gpt2: the default block of `selfattn train`, its missing biases written
-as zeros; GPT-2 itself from a transformers folder), BLOOM (bloom: ALiBi, fused q, k, v regrouped) and Phi-3
-(phi3: fused projections, RoPE on half of each head, GQA, linear RoPE scaling). llama.cpp's `llama-completion`
-continues a prompt, greedily, byte for byte as our `generate` does on the model written; the file read back
-computes our logits. llama.cpp's own converter's file of a GPT-2 folder holds the tensors and fields ours holds,
-and reads back as the folder. Controls: BLOOM's q, k, v rows left per head (either of the two reorders left
-out), or Phi-3's rotated channels left unsaid, and llama.cpp continues otherwise. Refused in one line: what
-llama.cpp computes otherwise (GPT-2's exact GELU, Phi-3's window, LongRoPE)."""
+as zeros; GPT-2 itself from a transformers folder), BLOOM (bloom: ALiBi, fused q, k, v regrouped), Phi-3
+(phi3: fused projections, RoPE on half of each head, GQA, linear RoPE scaling) and gpt-oss (gpt-oss: a mixture
+of experts, its gate and up split and transposed; learned sinks, every other layer sliding, YaRN). llama.cpp's
+`llama-completion` continues a prompt, greedily, byte for byte as our `generate` does on the model written; the
+file read back computes our logits. llama.cpp's own converter's file of a GPT-2 folder holds the tensors and fields
+ours holds, and reads back as the folder. Controls: BLOOM's q, k, v rows left per head (either of the two reorders
+left out), Phi-3's rotated channels left unsaid, or gpt-oss's gate and up split as halves rather than alternated,
+and llama.cpp continues otherwise. Refused in one line: what llama.cpp computes otherwise (GPT-2's exact GELU,
+Phi-3's window, LongRoPE, gpt-oss's expert clamp, YaRN's ramp unrounded), gpt-oss without a sliding
+layer (llama.cpp's asserts one)."""
 import json
 
+import gguf
 import pytest
 import torch
 import transformers
@@ -33,6 +37,12 @@ CASES = {  # a test model -> llama.cpp's architecture and what it sets beyond SI
     "phi3": ("phi3", dict(pos="rope", rope_dims=8, n_kv_head=2, norm="rmsnorm", mlp_kind="swiglu",
                           intermediate_size=96, tie_embeddings=False,
                           rope_scaling={"rope_type": "linear", "factor": 2.0})),
+    "gpt-oss": ("gpt-oss", dict(n_layer=2, pos="rope", n_kv_head=2, head_dim=16, norm="rmsnorm",
+                                norm_weight_in_float32=True, qkv_bias=True, proj_bias=True, sinks=True, mlp_kind="moe",
+                                intermediate_size=96, n_experts=4, experts_per_token=2, tie_embeddings=False,
+                                window=16, window_layers=[True, False], rope_base=150000.0,
+                                rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                              "original_max_position_embeddings": 32})),
 }
 
 
@@ -79,6 +89,24 @@ def test_without_the_rotated_channels_llama_cpp_rotates_whole_heads_and_differs(
                                                              if not k.endswith("rope.dimension_count")})
     gguf_write.write(gpt, ByteTokenizer(), tmp_path / "m.gguf")
     _first_tokens_differ(tmp_path / "m.gguf", gpt)
+
+
+def test_without_gpt_oss_alternated_gate_and_up_llama_cpp_continues_otherwise(tmp_path, monkeypatch):
+    gpt = model("gpt-oss")  # gate_up_proj (E, C, 2I), gate at even columns -> ffn_gate_exps and ffn_up_exps
+    monkeypatch.setattr(gguf_write, "_unalternated", lambda a: [a[..., :a.shape[-1] // 2], a[..., a.shape[-1] // 2:]])
+    gguf_write.write(gpt, ByteTokenizer(), tmp_path / "m.gguf")
+    _first_tokens_differ(tmp_path / "m.gguf", gpt)
+
+
+def test_gpt_oss_experts_in_q8_0_where_their_rows_are_whole_blocks_and_llama_cpp_runs_them(tmp_path):
+    gpt = model("gpt-oss", intermediate_size=48)  # ffn_down_exps' rows: 48 values, no whole Q8_0 blocks of 32
+    done = export_gguf(gpt, ByteTokenizer(), tmp_path / "m.gguf", type="q8_0")
+    types = {t.name: (t.tensor_type.name, len(t.shape)) for t in gguf.GGUFReader(done.path).tensors}
+    assert types == {name: ("F32" if name.endswith(".bias") or ".ffn_gate_inp." in name or dims == 1 else  # as the
+                            "F16" if "ffn_down_exps" in name else "Q8_0", dims)  # converter: biases and router F32
+                     for name, (_, dims) in types.items()}
+    assert types["blk.0.ffn_up_exps.weight"] == ("Q8_0", 3) and types["blk.1.ffn_gate_exps.bias"] == ("F32", 2)
+    assert 0 < done.logits_error and len(complete(done.path, PROMPT, 4)) > 0  # llama.cpp runs it
 
 
 def _gpt2_folder(path, vocab: dict[str, int] | None = None, merges=(), n_embd: int = 64):
@@ -156,6 +184,16 @@ def test_what_llama_cpp_computes_otherwise_is_refused_in_one_line_naming_it(tmp_
                                            "long_factor": [3.0, 4.0, 6.0, 8.0], "original_max_position_embeddings": 32})
     with pytest.raises(ValueError, match="rope_type 'longrope' is not written to GGUF: llama.cpp takes the long"):
         export_gguf(longrope, ByteTokenizer(), tmp_path / "m.gguf")
+    clamped = model("gpt-oss", expert_clamp=5.0)
+    with pytest.raises(ValueError, match=r"llama.cpp's gpt-oss computes gpt_oss's swiglu_limit 7.0, attention_bias "
+                                         r"True .*expert_clamp=5.0 \(llama.cpp's: 7.0\)"):
+        export_gguf(clamped, ByteTokenizer(), tmp_path / "m.gguf")
+    unrounded = model("gpt-oss", rope_scaling={**CASES["gpt-oss"][1]["rope_scaling"], "truncate": False})
+    with pytest.raises(ValueError, match=r"'yarn' with truncate=False \(llama.cpp's: True\) is not written to GGUF"):
+        export_gguf(unrounded, ByteTokenizer(), tmp_path / "m.gguf")
+    unwindowed = model("gpt-oss", window=None, window_layers=None)  # llama.cpp's gpt-oss asserts a sliding layer
+    with pytest.raises(ValueError, match="llama.cpp's gpt-oss needs gpt-oss.attention.sliding_window"):
+        export_gguf(unwindowed, ByteTokenizer(), tmp_path / "m.gguf")
     nowhere = model("gpt2", norm="rmsnorm")  # learned positions and RMSNorm: no family of llama.cpp's
     with pytest.raises(ValueError, match="llama.cpp runs none of the families"):
         export_gguf(nowhere, ByteTokenizer(), tmp_path / "m.gguf")

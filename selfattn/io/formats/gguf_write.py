@@ -2,12 +2,12 @@
 (llama.cpp's own writer): the inverse of :mod:`selfattn.io.formats.gguf` and :mod:`selfattn.tokenizers.gguf`.
 
 The architecture is that of the first family of :data:`selfattn.families.writing.WRITTEN` (Llama, Qwen2, Qwen3,
-Gemma 2, Gemma 3, OLMo 2, Phi-3, BLOOM, GPT-2) that declares llama.cpp's names (its ``GGUF``,
+Gemma 2, Gemma 3, OLMo 2, Phi-3, BLOOM, GPT-2, gpt-oss) that declares llama.cpp's names (its ``GGUF``,
 :mod:`selfattn.families._gguf`) and whose ``config.json`` says all of the model, or else of the model with a
 zero bias wherever it has none (the same function: a GPT-2-shaped run of ``selfattn train``, written with
 the biases llama.cpp's gpt2 needs), and computes what llama.cpp's architecture computes whatever its file says
-(the family's ``fixed``: GPT-2's GELU is the tanh approximation, Phi-3 has no window); :func:`architecture`
-says which. By that declaration, inverted:
+(the family's ``fixed``: GPT-2's GELU is the tanh approximation, Phi-3 has no window, gpt-oss's experts clamp
+at 7); :func:`architecture` says which. By that declaration, inverted:
 
 - metadata: each declared field ``<arch>.<field>`` from the ``config.json`` key it is read into (the RoPE
   base from ``rope_parameters``, the global layers' where each kind of layer has its own), ``vocab_size``,
@@ -16,15 +16,20 @@ says which. By that declaration, inverted:
   (``attention.sliding_window``), which layers slide (``attention.sliding_window_pattern``, a bool a layer),
   the sliding layers' RoPE base (``rope.freq_base_swa``), the soft-caps (``attn_logit_softcapping``,
   ``final_logit_softcapping``), a linear or YaRN RoPE scaling (``rope.scaling.*``; Llama 3's rule is the
-  tensor ``rope_freqs``; LongRoPE is refused: llama.cpp picks its long or short factors by another rule);
+  tensor ``rope_freqs``; LongRoPE is refused: llama.cpp picks its long or short factors by another rule, and
+  so is a YaRN whose ramp llama.cpp would turn otherwise: ``truncate`` false, betas other than 32 and 1);
 - tensors under llama.cpp's names (a tied head written once, as ``token_embd``; a tensor the architecture has
   no place for in ``gguf``'s table of llama.cpp's tensors is refused: Gemma 2's untied head), the norm offset
   added to every norm weight (Gemma's ``1 + w``), the q/k rows (and biases) of an ``interleaved``
   architecture permuted as llama.cpp's converter permutes them for its RoPE (Llama's), the rows (and bias)
-  of a ``by_head`` fused q, k, v regrouped from the folder's per head to q, k, v apart (BLOOM's);
-- each matrix in the type asked for (:data:`TYPES`: F32, F16, BF16 or Q8_0, quantised by ``gguf.quants``;
-  a Q8_0 matrix whose rows are no whole blocks of 32 is F16, as the converter does), every 1-D tensor
-  (norms, biases) in F32;
+  of a ``by_head`` fused q, k, v regrouped from the folder's per head to q, k, v apart (BLOOM's), an
+  ``alternated`` tensor split into its even and odd entries along the last dimension and the ``transposed``
+  ones transposed (gpt-oss's experts: ``(E, C, 2I)`` -> ``ffn_gate_exps`` and ``ffn_up_exps``, each
+  ``(E, I, C)``, and ``down_proj`` ``(E, I, C)`` -> ``ffn_down_exps`` ``(E, C, I)``);
+- each matrix in the type asked for (:data:`TYPES`: F32, F16, BF16 or Q8_0, quantised by ``gguf.quants``, row
+  by row, each expert's too; a Q8_0 matrix whose rows are no whole blocks of 32 is F16, as the converter does),
+  as the converter keeps them every 1-D tensor (norms, biases, sinks), every bias (the experts' 2-D ones) and a
+  mixture's router (``ffn_gate_inp``) in F32;
 - the tokenizer: a GGUF source's ``tokenizer.*`` fields copied as they are; else written from ours: the
   byte tokenizer as a ``gpt2`` BPE of the 256 bytes without merges (id = byte); a byte-level BPE as
   ``gpt2`` with its merges, its control tokens typed so, and ``tokenizer.ggml.pre`` the llama.cpp
@@ -37,8 +42,8 @@ says which. By that declaration, inverted:
 A model no declared family says, one llama.cpp computes otherwise (naming each field and both values), or a
 tokenizer llama.cpp would split otherwise, is one ValueError naming what is missing. What the fields cannot
 carry beyond that is not checked here: read the file back and compare (:mod:`selfattn.io.gguf_export` does).
-Not written: gpt-oss (its mixture of experts: writing its experts transposed and split is not built), a window
-on a Llama, Mistral or Qwen (llama.cpp's llama, qwen2 and qwen3 read none).
+Not written: a window on a Llama, Mistral or Qwen (llama.cpp's llama, qwen2 and qwen3 read none), gpt-oss
+without a sliding layer (llama.cpp's gpt-oss asserts one: its ``attention.sliding_window`` is required).
 """
 from __future__ import annotations
 
@@ -156,7 +161,7 @@ def write(gpt: GPT, tokenizer, path: str | os.PathLike, *, type: str = "f32", bo
         w.add_key_value(key, value, *_tokenizer_type(value))
     types = {}
     for name, a in _tensors(arch, names, model_type, gpt).items():
-        kind = gguf.GGMLQuantizationType.F32 if a.ndim == 1 else qtype
+        kind = gguf.GGMLQuantizationType.F32 if _kept_f32(name, a) else qtype
         if kind == gguf.GGMLQuantizationType.Q8_0 and a.shape[-1] % gguf.GGML_QUANT_SIZES[kind][0]:
             kind = gguf.GGMLQuantizationType.F16  # rows of no whole blocks: F16, as llama.cpp's converter does
         w.add_tensor(name, gguf.quants.quantize(a, kind), raw_dtype=kind)
@@ -207,6 +212,12 @@ def _rope_scaling(s: dict) -> dict:
         return {"rope.scaling.type": "linear", "rope.scaling.factor": float(factor)}
     if kind != "yarn":
         return {}
+    fixed = {"truncate": True, "beta_fast": 32.0, "beta_slow": 1.0}  # llama.cpp's YaRN, whatever a file says
+    differ = [f"{key}={s[key]!r} (llama.cpp's: {value!r})" for key, value in fixed.items()
+              if s.get(key, value) != value]
+    if differ:
+        raise ValueError("rope_scaling of rope_type 'yarn' with " + ", ".join(differ) + " is not written to GGUF: "
+                         "llama.cpp's YaRN rounds the ramp's ends outward, between 32 and 1, whatever a file says")
     attention = s.get("attention_factor")
     return {"rope.scaling.type": "yarn", "rope.scaling.factor": float(factor),
             "rope.scaling.original_context_length": s["original_max_position_embeddings"],
@@ -214,35 +225,34 @@ def _rope_scaling(s: dict) -> dict:
 
 
 def _tensors(arch: str, names, model_type: str, gpt: GPT) -> dict:
-    """llama.cpp's name -> the tensor as a float32 numpy array, as the file holds it (offset, rows permuted),
-    and Llama 3's RoPE rule as ``rope_freqs`` (each frequency's divisor, as the converter writes it); a
-    ValueError for a tensor llama.cpp's architecture has no place for (by ``gguf``'s table of its tensors)."""
+    """llama.cpp's name -> the tensor as a float32 numpy array, as the file holds it (offset, rows permuted, an
+    ``alternated`` tensor split in two halves, ``transposed`` ones transposed), and Llama 3's RoPE rule as
+    ``rope_freqs`` (each frequency's divisor, as the converter writes it); a ValueError for a tensor llama.cpp's
+    architecture has no place for (by ``gguf``'s table of its tensors)."""
     import gguf
     import numpy as np
 
     known = {gguf.TENSOR_NAMES[t] for t in gguf.MODEL_TENSORS[{v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}[arch]]}
-    outside = {hf: ours for ours, hf in names.outside.items()}
-    in_block = {hf: ours for ours, hf in names.in_block.items()}
-    layer = re.compile(re.escape(names.layer).replace(re.escape("{i}"), r"(\d+)") + r"(.+)\.([^.]+)")
     config = gpt.config
     heads = {"attn_q": config.n_head, "attn_k": config.n_kv_head or config.n_head}
     out = {}
     for hf_name, tensor in writing.folder_tensors(model_type, gpt).items():
-        match = layer.fullmatch(hf_name)
-        name = outside.get(hf_name) or (match and match[2] in in_block and f"blk.{match[1]}.{in_block[match[2]]}."
-                                                                          f"{match[3]}")
-        if not name or re.sub(r"^blk\.\d+\.", "blk.{bid}.", name.rpartition(".")[0]) not in known:
+        named = _gguf_names(names, hf_name)
+        if not named or any(re.sub(r"^blk\.\d+\.", "blk.{bid}.", n.rpartition(".")[0]) not in known for n in named):
             raise ValueError(f"llama.cpp's {arch} has no tensor for the model's {hf_name}"
-                             + (f" ({name})" if name else "") + ", so no GGUF file of it says this model")
+                             + (f" ({' + '.join(named)})" if named else "") + ", so no GGUF file of it says this model")
         a = tensor.detach().to("cpu", copy=True).float().numpy()
-        module = name.split(".")[-2]
-        if arch in names.interleaved and module in heads:
-            a = _interleave(a, heads[module])
-        if module in names.by_head:
-            a = _regroup(a, config.n_head)
-        if names.norm_offset and name.endswith("norm.weight"):
-            a += np.float32(names.norm_offset)
-        out[name] = a
+        for name, a in zip(named, [a] if len(named) == 1 else _unalternated(a)):
+            module = name.split(".")[-2]
+            if arch in names.interleaved and module in heads:
+                a = _interleave(a, heads[module])
+            if module in names.by_head:
+                a = _regroup(a, config.n_head)
+            if names.norm_offset and name.endswith("norm.weight"):
+                a += np.float32(names.norm_offset)
+            if name.split(".", 2)[-1] in names.transposed:
+                a = np.ascontiguousarray(a.swapaxes(-1, -2))  # (E, in, out) -> (E, out, in): llama.cpp's rows
+            out[name] = a
     if (config.rope_scaling or {}).get("rope_type") == "llama3":  # Llama 3's rule: a divisor per frequency
         if "rope_freqs" not in known:
             raise ValueError(f"llama.cpp's {arch} has no rope_freqs tensor for the model's Llama 3 RoPE rule")
@@ -250,6 +260,42 @@ def _tensors(arch: str, names, model_type: str, gpt: GPT) -> dict:
         out["rope_freqs.weight"] = (rope_frequencies(rotated, config.rope_base)[0] /
                                     rope_frequencies(rotated, config.rope_base, config.rope_scaling)[0]).float().numpy()
     return out
+
+
+def _gguf_names(names, hf_name: str) -> list[str]:
+    """llama.cpp's names of the folder's tensor ``hf_name`` by the family's ``names`` (the inverse of
+    ``Names.hf_name``): one, or the two halves of an ``alternated`` tensor (its even entries first); none when
+    the family declares no name for it."""
+    outside = {hf: ours for ours, hf in names.outside.items()}
+    if hf_name in outside:
+        return [outside[hf_name]]
+    layer = re.escape(names.layer).replace(re.escape("{i}"), r"(\d+)")
+    match = re.fullmatch(layer + r"(.+)", hf_name)
+    if match is None:
+        return []
+    block, rest = f"blk.{match[1]}.", match[2]
+    if rest in names.alternated:
+        return [block + half for half in names.alternated[rest]]
+    whole = {hf: ours for ours, hf in names.in_block.items() if "." in ours}  # "attn_sinks.weight": a tensor
+    modules = {hf: ours for ours, hf in names.in_block.items() if "." not in ours}  # "attn_q": its weight, bias
+    module, _, param = rest.rpartition(".")
+    if rest in whole:
+        return [block + whole[rest]]
+    return [f"{block}{modules[module]}.{param}"] if module in modules else []
+
+
+def _unalternated(a) -> list:
+    """The two halves llama.cpp's converter splits an ``alternated`` tensor into: its even entries along the last
+    dimension, then its odd ones (gpt-oss's gate and up, ``(..., 2I)`` -> two ``(..., I)``)."""
+    import numpy as np
+
+    return [np.ascontiguousarray(a[..., half::2]) for half in (0, 1)]
+
+
+def _kept_f32(name: str, a) -> bool:
+    """Whether llama.cpp's tensor ``name`` (the array ``a``) stays F32 whatever the type asked, as its converter
+    keeps it: a 1-D one (norms, biases, sinks), a bias (the experts' 2-D ones too), the router (``ffn_gate_inp``)."""
+    return a.ndim == 1 or not name.endswith(".weight") or ".ffn_gate_inp." in name
 
 
 def _interleave(a, heads: int):
