@@ -20,7 +20,7 @@ model of the same vocabulary (any ``--ckpt`` kind of path).
 ``--quantize int8`` decodes with weight-only int8 (:mod:`selfattn.generation.int8`): a quarter of
 float32's bytes per token read, at an accuracy cost that ``python -m benchmarks int8`` measures.
 ``--compile`` decodes through ``torch.compile`` graphs (:func:`~selfattn.generation.compile_decode`),
-the speculative forwards and a draft model's included; on the CPU every family but gpt-oss decodes
+the speculative forwards and a draft model's included; on the CPU every family decodes
 through the C++ decode kernel instead (:mod:`selfattn.generation.kernel_step`), nothing to compile
 (a model with a sliding-window layer steps eagerly where the kernel does not serve a step).
 
@@ -65,7 +65,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="weight-only int8 (per-channel scales): fewer bytes a token, slightly different numbers")
     p.add_argument("--compile", action="store_true",
                    help="decode compiled, --speculative's forwards too: on the CPU through the C++ decode kernel "
-                        "(every family but gpt-oss), others through torch.compile graphs, after compiling for seconds")
+                        "(every family), elsewhere through torch.compile graphs, after compiling for seconds")
 
 
 def main(args: argparse.Namespace) -> int:

@@ -19,7 +19,7 @@ then a fixed cache size, then the step that fills the cache, whose keys are the 
 That last one still costs a graph of its own, so ``generate`` gives a compiled model's
 caches one slot more than the generation fills.
 
-Where the decode kernel serves the model (every family's blocks but a mixture of experts) and the C++
+Where the decode kernel serves the model (every family's blocks) and the C++
 kernels build, a step without padding is no graph at all but one call of
 :mod:`selfattn.generation.kernel_step` (every operation of the step in one parallel region: none of the
 guards, wrapper and per-kernel costs below); the graphs serve the rest.
@@ -47,7 +47,7 @@ shortens it in later processes), so it is opt-in.
 A model with a sliding-window layer has no graphs: its rolling cache picks the slots it keeps by value,
 which a graph cannot follow. The kernel serves its steps (it computes each slot); a step it does not
 serve (a padded batch, more tokens than a rolling cache rolls back) runs eagerly, and where the kernel
-serves none (it did not build, a mixture of experts) the model is refused.
+serves none (it did not build, an int8 mixture of experts) the model is refused.
 """
 from __future__ import annotations
 
@@ -116,7 +116,7 @@ def compile_decode(model: GPT) -> GPT:
     - the weights laid out for decoding (:func:`~selfattn.generation.layout.decode_layout`, by its
       rule, unless the model was laid out or quantised already);
     - each decoded token one call of the C++ decode kernel where it serves the model
-      (:mod:`selfattn.generation.kernel_step`: every family but gpt-oss, on the CPU), else one
+      (:mod:`selfattn.generation.kernel_step`: every family, on the CPU), else one
       ``torch.compile`` graph of the embedding, every block and the head, which serves every later
       step and generation; speculative decoding's drafts and verifications run through compiled
       graphs of their own (or the kernel). A model with a sliding-window layer has no graphs: the

@@ -18,12 +18,13 @@ rounded before or after the weight) or all LayerNorm (with or without bias), of 
 over each head or over the projection included; RoPE (any rule but longrope, per layer: Gemma 3's
 local base), learned positions or neither; grouped kv heads; per-layer windows over rolling caches,
 with sink tokens; ALiBi, soft-capped scores, learned sinks; an MLP ``down(act(gate) * up)`` or
-``down(act(up))`` with SiLU or GELU (exact or tanh); biases on any matrix; the embedding scaled, the
-logits soft-capped; every matrix multiplied by the stream kernel (:func:`selfattn.generation.layout.decode_layout`'s
-``stream`` form, its rule wherever the kernel builds, or int8 from :func:`selfattn.generation.int8.quantize_int8`):
-the kernel runs the products the model's own step would. That is every family of :mod:`selfattn.families` but
-gpt-oss, whose mixture of experts stays a graph (:func:`unsupported` says why a model is not served), and
-this project's GPTs. Batches of rows without padding only (a padded batch's step is not the kernel's). A
+``down(act(up))`` with SiLU or GELU (exact or tanh), or a mixture of experts (gpt-oss's: each token's
+top k clamped SwiGLUs, the experts stored in rows by ``decode_layout``, in floats); biases on any matrix;
+the embedding scaled, the logits soft-capped; every matrix multiplied by the stream kernel
+(:func:`selfattn.generation.layout.decode_layout`'s ``stream`` form, its rule wherever the kernel builds,
+or int8 from :func:`selfattn.generation.int8.quantize_int8`): the kernel runs the products the model's own
+step would. That is every family of :mod:`selfattn.families` and this project's GPTs (:func:`unsupported`
+says why a model is not served). Batches of rows without padding only (a padded batch's step is not the kernel's). A
 call takes one token a row (a decode step) or several (a speculative verification by prompt lookup or a
 draft model: causal among themselves, after the cached ones); a rolling cache takes as many as it can
 roll back, plus one (:meth:`KernelStep.serves`): the new keys are written before they are read, and a
@@ -40,30 +41,26 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
-from selfattn.config import GPTConfig
 from selfattn.generation.int8 import Int8Linear
 from selfattn.generation.layout import FEW
 from selfattn.kernels import stream
 from selfattn.kv_cache import KVCache, RollingKVCache
-from selfattn.model import GPT, MLP, GatedMLP
+from selfattn.model import GPT, MLP, GatedMLP, MoE
 from selfattn.norms import RMSNorm
 from selfattn.rope import rope_angles
 from selfattn.scores import alibi_slopes
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
-# Every field of GPTConfig is one or the other (a test holds the two to the config's fields): the C++ step is
-# a second copy of the model, and a field it does not know would otherwise be computed silently wrong.
-# Read by the step (or each value it cannot compute refused by the checks of the modules in unsupported()):
+# Every field of GPTConfig (a test holds this to the config's fields): the C++ step is a second copy of the
+# model, and a field it does not know would otherwise be computed silently wrong. Read by the step (or each
+# value it cannot compute refused by the checks of the modules in unsupported()):
 HANDLED = ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "n_kv_head", "head_dim", "bias", "qkv_bias",
            "proj_bias", "dropout", "pos", "rope_base", "rope_scaling", "rope_dims", "attn_scale", "backend", "mlp",
            "mlp_kind", "intermediate_size", "norm", "layer_norm_eps", "gelu_approximate", "tie_embeddings",
            "window", "window_layers", "window_rope_base", "sink_tokens", "alibi", "softcap", "sinks", "qk_norm",
            "norm_offset", "norm_weight_in_float32", "norm_position", "embedding_norm", "embedding_scale",
-           "logit_softcap")
-# Refused unless at its default:
-REFUSED = ("n_experts", "experts_per_token", "expert_clamp")
-_DEFAULTS = GPTConfig.__dataclass_fields__
+           "logit_softcap", "n_experts", "experts_per_token", "expert_clamp")
 
 
 def unsupported(model: GPT) -> str | None:
@@ -97,9 +94,12 @@ def unsupported(model: GPT) -> str | None:
                     f"decode_layout() takes them wherever the kernel builds)")
         if type(m) is not Int8Linear and (not m.weight.is_contiguous() or m.weight.dtype != w.dtype):
             return f"a matrix is not stored in rows of {w.dtype}"
-    for name in REFUSED:
-        if getattr(model.config, name) != _DEFAULTS[name].default:
-            return f"its config sets {name}={getattr(model.config, name)!r}, which the kernel does not compute"
+    (int8, dtype), = kinds
+    for b in model.blocks:
+        experts = (b.mlp.gate_up_proj, b.mlp.down_proj) if isinstance(b.mlp, MoE) else ()
+        if any(int8 or e.dtype != dtype or not e.transpose(1, 2).is_contiguous() for e in experts):
+            return (f"its experts are not stored in rows of {w.dtype} (decode_layout() stores them so; an int8 "
+                    f"model's experts stay in floats)")
     return None
 
 
@@ -120,12 +120,15 @@ def _block(b: nn.Module) -> str | None:
     if a.mask_mod is not None or a.score_mod is not None:
         return "has a mask or score rule of its own"
     if _mlp(mlp) is None:
-        return "has no MLP of SiLU or GELU, gated or not (a mixture of experts stays a graph)"
+        return "has no MLP of SiLU or GELU, gated or not, or of experts"
     return None
 
 
 def _mlp(mlp: nn.Module | None) -> tuple[str, bool] | None:
-    """The kernel's name of ``mlp``'s activation and whether it is gated, None for an MLP it has not."""
+    """The kernel's name of ``mlp``'s activation and whether it is gated (``"moe"`` for a mixture of
+    experts, whose clamped SwiGLUs the kernel knows), None for an MLP it has not."""
+    if isinstance(mlp, MoE):
+        return "moe", True
     if isinstance(mlp, GatedMLP):
         act, gated = mlp.act, True
     elif isinstance(mlp, MLP):
@@ -154,11 +157,24 @@ def _qk_norms(model: GPT) -> list[nn.Module | None]:
 
 
 def _matrices(model: GPT) -> list[nn.Module]:
-    """The matrices in the order of ``kernels/decode.cpp``: each layer's qkv, proj, up (or gate_up) and
-    down, the head."""
-    def mlp(m: nn.Module) -> tuple[nn.Module, nn.Module]:
-        return (m.gate_up_proj, m.down_proj) if isinstance(m, GatedMLP) else (m.c_fc, m.c_proj)
-    return [m for b in model.blocks for m in (b.attn.qkv, b.attn.proj, *mlp(b.mlp))] + [model.lm_head]
+    """Every matrix module of ``model`` the kernel multiplies: each layer's (:func:`_matrices_of`), the head."""
+    return [m for b in model.blocks for m in _matrices_of(b)] + [model.lm_head]
+
+
+def _matrices_of(b: nn.Module) -> tuple[nn.Module, ...]:
+    """Block ``b``'s matrix modules in the order of ``kernels/decode.cpp``: qkv, proj, up (or gate_up) and down;
+    a mixture's router in their place (its experts are parameters: :func:`_experts`)."""
+    if isinstance(b.mlp, MoE):
+        return b.attn.qkv, b.attn.proj, b.mlp.router
+    mlp = (b.mlp.gate_up_proj, b.mlp.down_proj) if isinstance(b.mlp, GatedMLP) else (b.mlp.c_fc, b.mlp.c_proj)
+    return b.attn.qkv, b.attn.proj, *mlp
+
+
+def _experts(moe: MoE) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """A mixture's experts as ``kernels/decode.cpp`` reads them, in rows (out, in) each: gate_up ``(E, 2I, C)``
+    (gate and up alternating), down ``(E, C, I)``, and their biases ``(E, 2I)``, ``(E, C)``."""
+    return (moe.gate_up_proj.detach().transpose(1, 2), moe.down_proj.detach().transpose(1, 2),
+            moe.gate_up_bias.detach(), moe.down_bias.detach())
 
 
 def _rope_rule(attn: nn.Module) -> tuple:
@@ -183,12 +199,14 @@ class KernelStep:
         self.rules = [(a.rope, a.rope_dims, a.rope_base, a.rope_scaling) for a in firsts]
         self.angles = None  # each rule's (cos, sin) of positions 0 .. P - 1, P grown as positions are reached
         a, c, (act, gated) = model.blocks[0].attn, model.config, _mlp(model.blocks[0].mlp)
+        moe = model.blocks[0].mlp if act == "moe" else None
         kind, eps, offset, in_float32 = _norm_rule(model.ln_f)
         self.shape = {"n_head": a.n_head, "scale": a.scale if a.scale is not None else a.head_dim ** -0.5,
                       "softcap": a.softcap or 0.0, "logit_softcap": c.logit_softcap or 0.0,
                       "embedding_scale": c.embedding_scale or 0.0, "norm": kind, "eps": eps, "norm_offset": offset,
-                      "norm_weight_in_float32": in_float32, "qk_per_head": a.qk_norm_over == "head", "act": act,
-                      "gated": gated}  # the step's arguments
+                      "norm_weight_in_float32": in_float32, "qk_per_head": a.qk_norm_over == "head",
+                      "act": "silu" if moe else act, "gated": gated, "top_k": moe.top_k if moe else 0,
+                      "clamp": moe.clamp if moe else 0.0, "alpha": MoE.ALPHA}  # the step's arguments
 
     @property
     def model(self) -> GPT:
@@ -225,16 +243,27 @@ class KernelStep:
         weight is a measurable part of a step), so a model cast or quantised since the last generation
         decodes as it is now."""
         m = self.model
-        dtype, matrices, norms = m.wte.weight.dtype, _matrices(m), _norms(m)
-        int8 = type(matrices[0]) is Int8Linear
+        dtype, norms = m.wte.weight.dtype, _norms(m)
+        int8 = type(m.lm_head) is Int8Linear
+
+        def entry(x: nn.Module) -> tuple:  # (matrix, its bias in the model's dtype, its float32 int8 scale)
+            return (x.q if int8 else x.weight, None if x.bias is None else x.bias.to(dtype),  # int8's: float32
+                    x.scale.float() if int8 else None)
+        matrices, routers = [], []  # a mixture's router apart, its experts in place of up and down
+        for b in m.blocks:
+            moe = b.mlp if isinstance(b.mlp, MoE) else None
+            matrices += [entry(x) for x in _matrices_of(b)] if moe is None else [
+                entry(b.attn.qkv), entry(b.attn.proj), *zip(_experts(moe)[:2], _experts(moe)[2:], (None, None))]
+            routers.append(entry(moe.router)[:2] if moe else (None, None))
+        matrices.append(entry(m.lm_head))
         return {"wte": m.wte.weight.contiguous(),  # in rows (a layout for another form stores it in columns)
                 "wpe": None if m.wpe is None else m.wpe.weight.contiguous(),
                 "norms": [None if n is None else n.weight for n in norms],
                 "norm_biases": [getattr(n, "bias", None) for n in norms],
                 "qk_norms": [None if n is None else n.weight for n in _qk_norms(m)],
-                "matrices": [x.q if int8 else x.weight for x in matrices],
-                "biases": [None if x.bias is None else x.bias.to(dtype) for x in matrices],  # int8's: float32
-                "scales": [x.scale.float() if int8 else None for x in matrices],  # float32 (a model cast casts them)
+                "matrices": [w for w, _, _ in matrices], "biases": [b for _, b, _ in matrices],
+                "scales": [s for _, _, s in matrices],
+                "routers": [w for w, _ in routers], "router_biases": [b for _, b in routers],
                 "alibi": alibi_slopes(m.config.n_head) if m.config.alibi else None,
                 "sinks": [None if b.attn.sinks is None else b.attn.sinks.detach().float().contiguous()
                           for b in m.blocks]}

@@ -23,8 +23,9 @@ the model's own matrices instead, for one row and :data:`MEASURED_ROWS` rows.
 
 Storage order. The BLAS forms read float32 matrices fastest in the (in, out) order (GPT-2's Conv1D)
 and half-precision ones in (out, in) rows; ``stream`` reads rows. Every matrix of a dtype (embeddings
-too: a tied head is one) is stored in the order of its one-row form. Values, shapes and
-``state_dict`` are unchanged; the forms round alike up to the order of their sums.
+too: a tied head is one) is stored in the order of its one-row form, and a mixture's experts in rows
+(the decode kernel's). Values, shapes and ``state_dict`` are unchanged; the forms round alike up to the
+order of their sums.
 """
 from __future__ import annotations
 
@@ -38,6 +39,7 @@ from torch import Tensor, nn
 from selfattn import _timing
 from selfattn.kernels import stream
 from selfattn.kernels.features import multiplies_natively
+from selfattn.model import MoE
 
 HALF = (torch.bfloat16, torch.float16)
 FEW = 16  # up to this many rows a RowLinear takes its few-row form; more rows F.linear
@@ -138,6 +140,9 @@ def decode_layout(model: nn.Module, *, one_row: str | None = None, few_rows: str
                                else "stream" if by_rule == "stream" and "stream" in candidates else "linear")
             for module in linears:
                 module.one_row, module.few_rows = chosen, few
+        for module in model.modules():
+            if isinstance(module, MoE):
+                _store_experts(module)
     return model
 
 
@@ -208,6 +213,14 @@ def _store(modules: list[nn.Module], *, in_rows: bool) -> None:
         for m in modules:
             w = m.weight.data
             m.weight.data = w.contiguous() if in_rows else w.t().contiguous().t()
+
+
+def _store_experts(moe: MoE) -> None:
+    """A mixture's experts, ``(E, in, out)`` as gpt-oss ships them, stored in (out, in) rows (strides
+    ``(in·out, 1, in)``), as the decode kernel streams them; values and shapes unchanged, copied only once."""
+    with torch.inference_mode(False):
+        for p in (moe.gate_up_proj, moe.down_proj):
+            p.data = p.data.transpose(1, 2).contiguous().transpose(1, 2)
 
 
 def _failure(form: str) -> str | None:

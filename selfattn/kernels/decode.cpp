@@ -4,8 +4,8 @@
 // models, and why). The products are stream.h's products_of, the attention its attend_tasks and merge_runs.
 //
 //   step(tokens (B, T), past, wte (V, C), wpe, norms, norm_biases, qk_norms, matrices, biases, scales, caches, layers,
-//        cos, sin, alibi, sinks, n_head, scale, softcap, logit_softcap, embedding_scale, norm, eps, norm_offset,
-//        norm_weight_in_float32, qk_per_head, act, gated)
+//        cos, sin, alibi, sinks, routers, router_biases, n_head, scale, softcap, logit_softcap, embedding_scale, norm,
+//        eps, norm_offset, norm_weight_in_float32, qk_per_head, act, gated, top_k, clamp, alpha)
 //     -> logits (B * T, V) in wte's dtype A: each row's T tokens at positions past .. past + T - 1 (one in a
 //        decode step, a few in a speculative verification), causal among themselves
 //
@@ -18,7 +18,10 @@
 // matrices: each layer's qkv ((H + 2 Hkv) D, C), proj (C, H D), up (I, C; with `gated`, gate and up as one (2 I, C),
 // gate's rows first) and down (C, I), then the head (V, C), all of one dtype W (A, or int8 with a float32 scale
 // (out,) each in scales), each with its bias in A or None; act: the MLP's activation, "silu", "gelu" or
-// "gelu_tanh" (down(act(gate) * up) when gated, down(act(up)) when not). caches: each layer's k and v (B, Hkv,
+// "gelu_tanh" (down(act(gate) * up) when gated, down(act(up)) when not); with top_k > 0 a mixture of experts
+// instead (gpt-oss's): each layer's router (E, C) and its bias in routers, router_biases, its experts' gate_up
+// (E, 2 I, C; gate and up rows alternating) and down (E, C, I) as the layer's last two matrices, their biases
+// (E, out), each token's top_k experts' clamp(clamp) SwiGLU of slope alpha weighed by their softmax. caches: each layer's k and v (B, Hkv,
 // slots, D) in A; layers: 4 numbers a layer, its window (0: none), sink tokens, ring (0: a plain cache, position p
 // in slot p; else a rolling one, p in slot sinks + (p - sinks) % ring past the sinks) and its table of cos and sin
 // (positions, R / 2) float32, the rotary angles of the first R channels of each head (their attention factor in
@@ -31,6 +34,8 @@
 // the attention's output, the activation and its product with up, the capped logits. So a float32 step sums as the
 // model's does up to the order of a few sums (the norms' moments, the attention's), and a half-precision one
 // rounds as its eager step does, not as a fused graph does.
+
+#include <numeric>
 
 #include "stream.h"
 
@@ -137,6 +142,8 @@ struct Layer {
 struct Dims {
   int64_t B, T, C, H, Hkv, D, half, I, V, layers, past;
   float scale, softcap, logit_softcap, embedding_scale;  // the caps and the embedding's scale 0 where there is none
+  int64_t experts, top_k;  // top_k > 0: the MLP is a mixture of `experts`, each token's top_k of them
+  float clamp, alpha;  // its experts' clamp and sigmoid slope
   NormRule norm;
   bool qk_per_head, gated;  // q/k norms over each head (else over the projection); gate and up in one matrix
   Act act;
@@ -154,8 +161,10 @@ struct Weights {
                                       // the MLP), the final one; nullptr where there is none
   std::vector<const A*> norm_biases;  // one per norm, nullptr where it has none
   std::vector<const A*> qk_norms;     // q's and k's per layer, nullptr where there are none
-  std::vector<const W*> matrices;     // 4 per layer (qkv, proj, up or gate_up, down), then the head
-  std::vector<const A*> biases;       // one per matrix, nullptr where it has none
+  std::vector<const W*> matrices;     // 4 per layer (qkv, proj, up or gate_up, down; a mixture's experts'
+                                      // gate_up and down one after the other), then the head
+  std::vector<const A*> biases;       // one per matrix (per expert, one after the other), nullptr where none
+  std::vector<const A*> routers, router_biases;  // a mixture's router (E, C) per layer and its bias
   std::vector<const float*> scales;   // one per matrix, nullptr but for int8
   std::vector<A*> caches;             // k, v per layer
   std::vector<const float*> cos, sin; // per RoPE rule, the angles of every position, half each
@@ -177,6 +186,9 @@ void decode(const Weights<A, W>& m, const Dims& d, const int64_t* tokens, A* log
   std::vector<A> x(N * C), qkv(N * QKV), y(N * C), up(N * UP), heads(N * H * D);  // heads (B, H, T, D)
   std::vector<X> h(N * C), att(N * H * D), act(N * I);
   std::vector<float> q(N * H * D), parts(d.B * Hkv * most_runs * g * T * (D + 2)), qk((H + Hkv) * D), rotated(D);
+  std::vector<A> logits_of_router(N * d.experts), expert_out(d.top_k > 0 ? N * C : 0);  // a mixture's
+  std::vector<int64_t> chosen(N * d.top_k);  // each token's experts, by id
+  std::vector<float> weights(N * d.top_k);   // and their weights
   const float embedding_scale = as_stored<A>(d.embedding_scale);  // the scale as a tensor of A holds it
 #pragma omp parallel num_threads(at::get_num_threads())
   {
@@ -211,6 +223,77 @@ void decode(const Weights<A, W>& m, const Dims& d, const int64_t* tokens, A* log
         if (m.norms[after]) normalize(d.norm, yr, m.norms[after], m.norm_biases[after], C, yr);
         for (int64_t c = 0; c < C; ++c) xr[c] = static_cast<A>(static_cast<float>(xr[c]) + static_cast<float>(yr[c]));
         norm(next, xr, h.data() + r * C);
+      }
+    };
+    // A mixture of experts (model.py's MoE) on h into y: each token's router logits, its top_k experts (ties to the
+    // lower id) and their softmax weights; each expert's clamped SwiGLU, down((up + 1) gate sigmoid(alpha gate)),
+    // with its biases, times its weight, added in the order of the experts' ids, as MoE.forward adds them
+    const auto mixture = [&](int64_t l) {
+      const int64_t E = d.experts, K = d.top_k;
+      {
+        const auto [begin, end] = mine(E);
+        products_of(m.routers[l], h.data(), static_cast<const float*>(nullptr), logits_of_router.data(), N, E, C, begin, end);
+        for (int64_t n = 0; n < N; ++n) {
+          for (int64_t e = begin; e < end; ++e) {
+            A& z = logits_of_router[n * E + e];
+            z = static_cast<A>(static_cast<float>(z) + static_cast<float>(m.router_biases[l][e]));
+          }
+        }
+      }
+#pragma omp barrier
+#pragma omp single
+      for (int64_t n = 0; n < N; ++n) {  // the top k, their softmax (in float32, rounded once), by expert id
+        std::vector<int64_t> ids(E);
+        std::iota(ids.begin(), ids.end(), 0);
+        const A* z = logits_of_router.data() + n * E;
+        std::stable_sort(ids.begin(), ids.end(), [&](int64_t a, int64_t b) { return static_cast<float>(z[a]) > static_cast<float>(z[b]); });
+        float top = static_cast<float>(z[ids[0]]), sum = 0.0f;
+        for (int64_t j = 0; j < K; ++j) sum += std::exp(static_cast<float>(z[ids[j]]) - top);
+        std::sort(ids.begin(), ids.begin() + K);
+        for (int64_t j = 0; j < K; ++j) {
+          chosen[n * K + j] = ids[j];
+          weights[n * K + j] = as_stored<A>(std::exp(static_cast<float>(z[ids[j]]) - top) / sum);
+        }
+      }
+      const int64_t UP2 = 2 * I;
+      for (int64_t j = 0; j < K; ++j) {
+        {
+          const auto [begin, end] = mine(UP2);  // this thread's rows of each token's expert
+          for (int64_t n = 0; n < N; ++n) {
+            const int64_t e = chosen[n * K + j];
+            A* out = up.data() + n * UP2;
+            products_of(m.matrices[4 * l + 2] + e * UP2 * C, h.data() + n * C, static_cast<const float*>(nullptr), out, 1, UP2, C, begin, end);
+            const A* bias = m.biases[4 * l + 2] + e * UP2;
+            for (int64_t o = begin; o < end; ++o) out[o] = static_cast<A>(static_cast<float>(out[o]) + static_cast<float>(bias[o]));
+          }
+        }
+#pragma omp barrier
+        {
+          const auto [begin, end] = mine(N * I);
+          for (int64_t i = begin; i < end; ++i) {  // gate and up alternate in the expert's rows
+            const A* gu = up.data() + i / I * UP2 + 2 * (i % I);
+            const float gate = std::min(static_cast<float>(gu[0]), d.clamp);
+            const float u = std::clamp(static_cast<float>(gu[1]), -d.clamp, d.clamp);
+            const float s = as_stored<A>(1.0f / (1.0f + std::exp(-as_stored<A>(gate * d.alpha))));
+            act[i] = static_cast<X>(as_stored<A>(as_stored<A>(as_stored<A>(u + 1.0f) * gate) * s));
+          }
+        }
+#pragma omp barrier
+        {
+          const auto [begin, end] = mine(C);
+          for (int64_t n = 0; n < N; ++n) {
+            const int64_t e = chosen[n * K + j];
+            A* out = expert_out.data() + n * C;
+            products_of(m.matrices[4 * l + 3] + e * C * I, act.data() + n * I, static_cast<const float*>(nullptr), out, 1, C, I, begin, end);
+            const A* bias = m.biases[4 * l + 3] + e * C;
+            for (int64_t o = begin; o < end; ++o) {
+              const float weighed = as_stored<A>(as_stored<A>(static_cast<float>(out[o]) + static_cast<float>(bias[o])) * weights[n * K + j]);
+              A& sum = y[n * C + o];
+              sum = static_cast<A>(j == 0 ? weighed : static_cast<float>(sum) + weighed);
+            }
+          }
+        }
+#pragma omp barrier
       }
     };
 #pragma omp single
@@ -274,18 +357,22 @@ void decode(const Weights<A, W>& m, const Dims& d, const int64_t* tokens, A* log
       product(4 * l + 1, att.data(), H * D, y.data(), C);
 #pragma omp barrier
       add_and_norm(norm_of(l, 1), norm_of(l, 2));
-      product(4 * l + 2, h.data(), C, up.data(), UP);
+      if (d.top_k > 0) {
+        mixture(l);
+      } else {
+        product(4 * l + 2, h.data(), C, up.data(), UP);
 #pragma omp barrier
-      {
-        const auto [begin, end] = mine(N * I);
-        for (int64_t i = begin; i < end;) {  // this thread's entries, row by row
-          const int64_t r = i / I, c = i % I, n = std::min(end - i, I - c);
-          activate<A>(d.act, d.gated, up.data() + r * UP + c, I, n, act.data() + i);
-          i += n;
+        {
+          const auto [begin, end] = mine(N * I);
+          for (int64_t i = begin; i < end;) {  // this thread's entries, row by row
+            const int64_t r = i / I, c = i % I, n = std::min(end - i, I - c);
+            activate<A>(d.act, d.gated, up.data() + r * UP + c, I, n, act.data() + i);
+            i += n;
+          }
         }
-      }
 #pragma omp barrier
-      product(4 * l + 3, act.data(), I, y.data(), C);
+        product(4 * l + 3, act.data(), I, y.data(), C);
+      }
 #pragma omp barrier
       add_and_norm(norm_of(l, 3), l + 1 < d.layers ? norm_of(l + 1, 0) : norm_of(d.layers, 0));  // the next layer's first norm, or the final one
     }
@@ -310,7 +397,7 @@ struct Args {
   const c10::List<std::optional<at::Tensor>>&biases, &scales;
   at::TensorList caches, cos, sin;
   const std::optional<at::Tensor>& alibi;
-  const c10::List<std::optional<at::Tensor>>& sinks;
+  const c10::List<std::optional<at::Tensor>>&sinks, &routers, &router_biases;
   Dims dims;
 };
 
@@ -321,7 +408,8 @@ const T* data_or_null(const std::optional<at::Tensor>& t) {
 
 template <typename A, typename W>
 at::Tensor decode_as(const Args& a) {
-  Weights<A, W> m{a.wte.data_ptr<A>(), data_or_null<A>(a.wpe), {}, {}, {}, {}, {}, {}, {}, {}, {}, data_or_null<float>(a.alibi), {}};
+  Weights<A, W> m{a.wte.data_ptr<A>(), data_or_null<A>(a.wpe), {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {},
+                  data_or_null<float>(a.alibi), {}};
   for (int64_t i = 0; i < static_cast<int64_t>(a.norms.size()); ++i) {
     m.norms.push_back(data_or_null<A>(a.norms.get(i)));
     m.norm_biases.push_back(data_or_null<A>(a.norm_biases.get(i)));
@@ -338,6 +426,10 @@ at::Tensor decode_as(const Args& a) {
     m.sin.push_back(a.sin[i].data_ptr<float>());
   }
   for (const std::optional<at::Tensor>& s : a.sinks) m.sinks.push_back(data_or_null<float>(s));
+  for (int64_t i = 0; i < static_cast<int64_t>(a.routers.size()); ++i) {
+    m.routers.push_back(data_or_null<A>(a.routers.get(i)));
+    m.router_biases.push_back(data_or_null<A>(a.router_biases.get(i)));
+  }
   const Dims& d = a.dims;
   at::Tensor logits = at::empty({d.B * d.T, d.V}, a.wte.options());
   const at::Tensor ids = a.tokens.contiguous();
@@ -373,10 +465,11 @@ at::Tensor step(const at::Tensor& tokens, int64_t past, const at::Tensor& wte, c
                 const c10::List<std::optional<at::Tensor>>& qk_norms, at::TensorList matrices,
                 const c10::List<std::optional<at::Tensor>>& biases, const c10::List<std::optional<at::Tensor>>& scales,
                 at::TensorList caches, at::IntArrayRef layers, at::TensorList cos, at::TensorList sin,
-                const std::optional<at::Tensor>& alibi, const c10::List<std::optional<at::Tensor>>& sinks, int64_t n_head,
-                double scale, double softcap, double logit_softcap, double embedding_scale, const std::string& norm,
-                double eps, double norm_offset, bool norm_weight_in_float32, bool qk_per_head, const std::string& act,
-                bool gated) {
+                const std::optional<at::Tensor>& alibi, const c10::List<std::optional<at::Tensor>>& sinks,
+                const c10::List<std::optional<at::Tensor>>& routers, const c10::List<std::optional<at::Tensor>>& router_biases,
+                int64_t n_head, double scale, double softcap, double logit_softcap, double embedding_scale,
+                const std::string& norm, double eps, double norm_offset, bool norm_weight_in_float32, bool qk_per_head,
+                const std::string& act, bool gated, int64_t top_k, double clamp, double alpha) {
   // the caller (kernel_step.py) has checked the model; these hold it to what this file reads
   const int64_t L = static_cast<int64_t>(caches.size()) / 2, n = static_cast<int64_t>(matrices.size());
   TORCH_CHECK(L > 0 && n == 4 * L + 1 && static_cast<int64_t>(norms.size()) == 4 * L + 2 &&
@@ -419,14 +512,25 @@ at::Tensor step(const at::Tensor& tokens, int64_t past, const at::Tensor& wte, c
   for (const std::optional<at::Tensor>& b : biases) check_dtype(b, wte.scalar_type(), -1, "biases in the embedding's dtype");
   for (const std::optional<at::Tensor>& s : sinks) check_dtype(s, at::kFloat, n_head, "float32 sinks, one per head");
   check_dtype(alibi, at::kFloat, n_head, "float32 ALiBi slopes, one per head");
+  const int64_t experts = top_k > 0 && routers.size() > 0 && routers.get(0) ? routers.get(0)->size(0) : 0;
+  TORCH_CHECK(top_k == 0 || (static_cast<int64_t>(routers.size()) == L && static_cast<int64_t>(router_biases.size()) == L &&
+                             top_k <= experts && matrices[2].dim() == 3 && matrices[3].dim() == 3),
+              "decode_kernel.step: a mixture's router and bias per layer, its experts' matrices (E, out, in), top_k <= E");
+  for (int64_t l = 0; top_k > 0 && l < L; ++l) {
+    for (const auto& t : {routers.get(l), router_biases.get(l), biases.get(4 * l + 2), biases.get(4 * l + 3)}) {
+      TORCH_CHECK(t && t->is_contiguous() && t->scalar_type() == wte.scalar_type() && t->size(0) == experts,
+                  "decode_kernel.step: a mixture's router, its bias and its experts' biases in every layer");
+    }
+  }
   TORCH_CHECK(wte.is_contiguous() && (!wpe || (wpe->is_contiguous() && wpe->scalar_type() == wte.scalar_type())),
               "decode_kernel.step: wte and wpe in rows, of one dtype");
-  const Dims dims{B, T, C, n_head, Hkv, D, cos[0].size(1), matrices[3].size(1), matrices.back().size(0), L, past,
+  const Dims dims{B, T, C, n_head, Hkv, D, cos[0].size(1), matrices[3].size(-1), matrices.back().size(0), L, past,
                   static_cast<float>(scale), static_cast<float>(softcap), static_cast<float>(logit_softcap),
-                  static_cast<float>(embedding_scale),
+                  static_cast<float>(embedding_scale), experts, top_k, static_cast<float>(clamp), static_cast<float>(alpha),
                   NormRule{norm == "layernorm", static_cast<float>(eps), static_cast<float>(norm_offset), norm_weight_in_float32},
                   qk_per_head, gated, activation_named(act), per_layer};
-  const Args a{tokens, wte, wpe, norms, norm_biases, qk_norms, matrices, biases, scales, caches, cos, sin, alibi, sinks, dims};
+  const Args a{tokens, wte, wpe, norms, norm_biases, qk_norms, matrices, biases, scales, caches, cos, sin, alibi, sinks,
+               routers, router_biases, dims};
   switch (wte.scalar_type()) {
     case at::kFloat: return decode_with<float>(a);
     case at::kBFloat16: return decode_with<c10::BFloat16>(a);
@@ -443,8 +547,9 @@ at::Tensor step(const at::Tensor& tokens, int64_t past, const at::Tensor& wte, c
 SELFATTN_DEFINE_MORE(SELFATTN_NAMESPACE) {
   m.def("step(Tensor tokens, int past, Tensor wte, Tensor? wpe, Tensor?[] norms, Tensor?[] norm_biases, Tensor?[] qk_norms, "
         "Tensor[] matrices, Tensor?[] biases, Tensor?[] scales, Tensor(a!)[] caches, int[] layers, Tensor[] cos, Tensor[] sin, "
-        "Tensor? alibi, Tensor?[] sinks, int n_head, float scale, float softcap, float logit_softcap, float embedding_scale, "
-        "str norm, float eps, float norm_offset, bool norm_weight_in_float32, bool qk_per_head, str act, bool gated) -> Tensor");
+        "Tensor? alibi, Tensor?[] sinks, Tensor?[] routers, Tensor?[] router_biases, int n_head, float scale, float softcap, "
+        "float logit_softcap, float embedding_scale, str norm, float eps, float norm_offset, bool norm_weight_in_float32, "
+        "bool qk_per_head, str act, bool gated, int top_k, float clamp, float alpha) -> Tensor");
 }
 SELFATTN_IMPLEMENT(SELFATTN_NAMESPACE) {
   m.impl("step", &step);
