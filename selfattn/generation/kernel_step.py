@@ -72,7 +72,8 @@ def unsupported(model: GPT) -> str | None:
     if w.device.type != "cpu" or w.dtype not in DTYPES:
         return f"the model is {w.dtype} on {w.device}, the kernel takes float32, bfloat16 or float16 on the CPU"
     norms = [n for n in _norms(model) + _qk_norms(model) if n is not None]
-    if len({_norm_rule(n) for n in norms}) > 1:
+    rules = {_norm_rule(n) for n in norms}
+    if len(rules) > 1 or any(isinstance(rule, str) for rule in rules):
         return "its norms are not all RMSNorm or all LayerNorm (with a weight) of one epsilon, offset and rounding"
     for i, b in enumerate(model.blocks):
         why = _block(b)
@@ -104,7 +105,8 @@ def unsupported(model: GPT) -> str | None:
 
 
 def _norm_rule(n: nn.Module) -> tuple | str:
-    """What the kernel needs to be one for every norm of a model: kind, epsilon, offset, rounding."""
+    """What the kernel needs to be one for every norm of a model: kind, epsilon, offset, rounding (a string
+    naming a norm it does not compute)."""
     if type(n) is RMSNorm:
         return "rmsnorm", n.eps, n.offset, n.weight_in_float32
     if type(n) is nn.LayerNorm and n.weight is not None:

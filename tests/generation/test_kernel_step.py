@@ -231,6 +231,7 @@ def test_padded_rows_step_through_the_graph_as_eager():
                                    "original_max_position_embeddings": 32}), "layer 0 rotates by longrope"),
     (lambda m: _set(m, m.blocks[1].attn, "score_mod", lambda s, b, h, q, k: s), "layer 1 has a mask or score rule"),
     (lambda m: _set(m, m.blocks[1].ln_2, "eps", 1e-3), "its norms are not all RMSNorm or all LayerNorm"),
+    (lambda m: _without_norm_weights(llama(**GPT2)), "its norms are not all RMSNorm or all LayerNorm (with a weight)"),
     (lambda m: _set(m, m.blocks[0].attn, "rope_dims", 8), "its layers rotate different channels"),
     (lambda m: m.double(), "the model is torch.float64"),
     (lambda m: decode_layout(m, one_row="mv"), "its one-row products are not the stream kernel's (mv"),
@@ -243,6 +244,13 @@ def test_models_it_cannot_run_are_named_with_the_reason(change, why):
         KernelStep(model)
     if any(type(m) is RowLinear for m in model.modules()):
         assert compiled_of(compile_decode(model)).kernel is None  # its steps stay graphs
+
+
+def _without_norm_weights(model: GPT) -> GPT:
+    for m in model.modules():
+        if isinstance(m, torch.nn.LayerNorm):
+            m.weight = m.bias = None
+    return model
 
 
 def _set(model: GPT, module, name: str, value) -> GPT:
