@@ -57,6 +57,7 @@ FIELDS = {
 }
 RMS_FIELDS = {**FIELDS, "rms_norm_eps": ("attention.layer_norm_rms_epsilon", float, REQUIRED),
               "rope_theta": ("rope.freq_base", float, 10000.0)}
+LAYER_NORM_FIELDS = {**FIELDS, "layer_norm_epsilon": ("attention.layer_norm_epsilon", float, REQUIRED)}
 OUTSIDE = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
            "output.weight": "lm_head.weight"}
 IN_BLOCK = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm", "attn_q": "self_attn.q_proj",

@@ -36,8 +36,7 @@ OUTSIDE = {"wte.weight": "transformer.word_embeddings.weight",
            "ln_f.bias": "transformer.ln_f.bias", "lm_head.weight": "lm_head.weight"}
 LAYER = "transformer.h.{i}."  # the folder's prefix of layer i
 GGUF = _gguf.Names({"bloom": "bloom"},
-                   fields={**_gguf.FIELDS,
-                           "layer_norm_epsilon": ("attention.layer_norm_epsilon", float, _gguf.REQUIRED)},
+                   fields=_gguf.LAYER_NORM_FIELDS,
                    outside={"token_embd.weight": "transformer.word_embeddings.weight",
                             "token_embd_norm.weight": "transformer.word_embeddings_layernorm.weight",
                             "token_embd_norm.bias": "transformer.word_embeddings_layernorm.bias",

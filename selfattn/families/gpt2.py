@@ -31,8 +31,7 @@ OUTSIDE = {"wte.weight": "transformer.wte.weight", "wpe.weight": "transformer.wp
            "lm_head.weight": "lm_head.weight"}
 IN_LAYER = {"attn.qkv": "attn.c_attn", "attn.proj": "attn.c_proj"}  # ln_1, ln_2, mlp.c_fc, mlp.c_proj: as ours
 GGUF = _gguf.Names({"gpt2": "gpt2"},
-                   fields={**_gguf.FIELDS,
-                           "layer_norm_epsilon": ("attention.layer_norm_epsilon", float, _gguf.REQUIRED)},
+                   fields=_gguf.LAYER_NORM_FIELDS,
                    outside={"token_embd.weight": "transformer.wte.weight",
                             "position_embd.weight": "transformer.wpe.weight",
                             "output_norm.weight": "transformer.ln_f.weight",
