@@ -143,22 +143,6 @@ def bench(binary: Path, path: Path, threads: int, prompt: int, new_tokens: int) 
     return parse_bench(done.stdout, prompt, new_tokens)
 
 
-def complete(binary: Path, path: Path, prompt: str, n: int, threads: int, tries: int = 20) -> str:
-    """llama-completion's greedy continuation of ``prompt`` by ``n`` tokens on ``path``. It prints through a
-    logging thread it does not wait for at exit, so the end of its output is lost in some runs: a run is taken
-    once it printed its last line, ``"\\n\\n"`` after the text."""
-    command = [str(binary), "-m", str(path), "-p", prompt, "-n", str(n), "--temp", "0", "-no-cnv",
-               "--no-display-prompt", "-t", str(threads), "--seed", "0", "--no-warmup", "-c", "256"]
-    for _ in range(tries):
-        done = subprocess.run(command, capture_output=True, timeout=TIMEOUT_S)
-        if done.returncode:
-            raise OSError(f"llama-completion on {path} exited {done.returncode}: "
-                          f"{done.stderr.decode(errors='replace').strip().splitlines()[-1:]}")
-        if done.stdout.endswith(b"\n\n"):
-            return done.stdout[:-2].decode(errors="replace")
-    raise OSError(f"llama-completion lost the end of its output {tries} times")
-
-
 def prepare(base: GPT, dtype: str) -> tuple[GPT, str, str | None]:
     """A copy of ``base`` to decode in ``dtype``, as ``selfattn sample`` prepares it (cast, ``decode_layout``,
     ``quantize_int8`` of the float32 model for int8), then ``compile_decode``; the path that decodes it,
@@ -217,7 +201,8 @@ def check(loaded, base: GPT, binary: Path | None, f32: Path | None, n: int, thre
     ids = loaded.require_tokenizer().encode(CHECK_PROMPT, special=True)  # bos first where the file says so
     out["ours"] = _greedy(base, loaded, ids, n)
     if binary is not None:
-        out["llama_cpp"] = complete(binary, f32, CHECK_PROMPT, n, threads)
+        out["llama_cpp"] = llama_cpp.complete(binary, f32, CHECK_PROMPT, n, threads=threads, context=256,
+                                              timeout=TIMEOUT_S).decode(errors="replace")
         if out["llama_cpp"] != out["ours"]:
             raise common.CorrectnessError(f"{loaded.source.name}: our greedy continuation {out['ours']!r} is not "
                                           f"llama.cpp's {out['llama_cpp']!r} on {f32.name}: not the same model")

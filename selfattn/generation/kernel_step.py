@@ -254,8 +254,12 @@ class KernelStep:
         matrices, routers = [], []  # a mixture's router apart, its experts in place of up and down
         for b in m.blocks:
             moe = b.mlp if isinstance(b.mlp, MoE) else None
-            matrices += [entry(x) for x in _matrices_of(b)] if moe is None else [
-                entry(b.attn.qkv), entry(b.attn.proj), *zip(_experts(moe)[:2], _experts(moe)[2:], (None, None))]
+            if moe is None:
+                matrices += [entry(x) for x in _matrices_of(b)]
+            else:
+                gate_up, down, gate_up_bias, down_bias = _experts(moe)
+                matrices += [entry(b.attn.qkv), entry(b.attn.proj), (gate_up, gate_up_bias, None),
+                             (down, down_bias, None)]
             routers.append(entry(moe.router)[:2] if moe else (None, None))
         matrices.append(entry(m.lm_head))
         return {"wte": m.wte.weight.contiguous(),  # in rows (a layout for another form stores it in columns)

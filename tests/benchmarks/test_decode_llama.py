@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from benchmarks import common, decode_llama
+from benchmarks import common, decode_llama, llama_cpp
 from benchmarks.cli import run as bench
 from selfattn.config import GPTConfig
 from selfattn.generation.int8 import Int8Linear
@@ -89,23 +89,25 @@ def test_llama_completion_is_read_once_it_printed_its_last_line(monkeypatch):
     def completion(argv, **kwargs):
         return types.SimpleNamespace(returncode=0, stdout=next(outputs), stderr=b"")
 
-    monkeypatch.setattr(decode_llama.subprocess, "run", completion)
-    assert decode_llama.complete("llama-completion", "m.gguf", "The capital of France is", 4, 2) == " Paris.\n\nThe"
-    monkeypatch.setattr(decode_llama.subprocess, "run", lambda argv, **kw: types.SimpleNamespace(
+    monkeypatch.setattr(llama_cpp.subprocess, "run", completion)
+    assert llama_cpp.complete("llama-completion", "m.gguf", "The capital of France is", 4, threads=2,
+                              context=256) == b" Paris.\n\nThe"
+    monkeypatch.setattr(llama_cpp.subprocess, "run", lambda argv, **kw: types.SimpleNamespace(
         returncode=0, stdout=b" Paris.", stderr=b""))
     with pytest.raises(OSError, match="lost the end of its output 3 times"):
-        decode_llama.complete("llama-completion", "m.gguf", "The capital of France is", 4, 2, tries=3)
+        llama_cpp.complete("llama-completion", "m.gguf", "The capital of France is", 4, threads=2, context=256,
+                           tries=3)
 
 
 def test_the_check_refuses_to_time_a_model_llama_cpp_continues_otherwise(monkeypatch):
     loaded = types.SimpleNamespace(require_tokenizer=lambda: types.SimpleNamespace(encode=lambda text, special: [1]),
                                    source=decode_llama.MODELS["smollm2"].file)
     monkeypatch.setattr(decode_llama, "_greedy", lambda model, loaded, ids, n: " Paris.")
-    monkeypatch.setattr(decode_llama, "complete", lambda binary, path, prompt, n, threads: " Paris.")
+    monkeypatch.setattr(llama_cpp, "complete", lambda binary, path, prompt, n, **kw: b" Paris.")
     assert decode_llama.check(loaded, None, "llama-completion", Path("f32.gguf"), 8, 2)["llama_cpp"] == " Paris."
     assert decode_llama.check(loaded, None, None, None, 8, 2) == {"prompt": decode_llama.CHECK_PROMPT, "tokens": 8,
                                                                   "ours": " Paris.", "llama_cpp": None}
-    monkeypatch.setattr(decode_llama, "complete", lambda binary, path, prompt, n, threads: " Lyon.")
+    monkeypatch.setattr(llama_cpp, "complete", lambda binary, path, prompt, n, **kw: b" Lyon.")
     with pytest.raises(common.CorrectnessError, match="not the same model"):  # control: another continuation fails
         decode_llama.check(loaded, None, "llama-completion", Path("f32.gguf"), 8, 2)
 

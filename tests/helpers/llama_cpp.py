@@ -74,16 +74,6 @@ def convert(jobs: list[tuple[Path, Path]]) -> str:
 
 
 def complete(path, prompt: str, n: int = 24, context: int = 128) -> bytes:
-    """llama.cpp's greedy continuation of ``prompt`` on the file ``path``: the bytes it prints.
-
-    llama-completion prints through a logging thread that it does not wait for at exit (llama.cpp leaks the
-    logger on purpose, common/log.cpp), so the end of its output is lost in about a third of the runs here:
-    a run is taken once it printed its last line, "\\n\\n" after the text (the thread prints in order)."""
-    command = [str(program("llama-completion")), "-m", str(path), "-p", prompt, "-n", str(n), "--temp", "0",
-               "-no-cnv", "--no-display-prompt", "-t", "2", "--seed", "0", "--no-warmup", "-c", str(context)]
-    for _ in range(20):
-        done = subprocess.run(command, capture_output=True, timeout=120)
-        assert done.returncode == 0, done.stderr.decode(errors="replace")[-2000:]
-        if done.stdout.endswith(b"\n\n"):
-            return done.stdout[:-2]
-    raise AssertionError(f"llama-completion lost the end of its output 20 times: {done.stdout!r}")
+    """llama.cpp's greedy continuation of ``prompt`` on the file ``path``: the bytes it prints
+    (:func:`benchmarks.llama_cpp.complete`, on 2 threads)."""
+    return llama_cpp.complete(program("llama-completion"), path, prompt, n, threads=2, context=context, timeout=120)
