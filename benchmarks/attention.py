@@ -38,8 +38,9 @@ import torch
 
 from benchmarks import common, memory
 from benchmarks.impls import IMPLS, MODES, OURS, Impl, call, implementation, inputs, reference
-from selfattn import _plot, backends
-from selfattn._validate import positive_ints
+from selfattn import backends
+from selfattn._util import plot as _plot
+from selfattn._util.validate import positive_ints
 from selfattn.attention import SelfAttention
 
 GIB = 2 ** 30

@@ -18,7 +18,8 @@ import sys
 
 import benchmarks as suites
 from benchmarks import common
-from selfattn import _files, _validate
+from selfattn._util import files as _files
+from selfattn._util import validate as _validate
 
 PROG = "python -m benchmarks"
 

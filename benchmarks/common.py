@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from selfattn import _files
+from selfattn._util import files as _files
 from selfattn.backends import tuning
 
 # Largest tolerated relative error (max |a - b| / max |b|) of an implementation against the

@@ -33,8 +33,9 @@ from pathlib import Path
 import torch
 
 from benchmarks import common
-from selfattn import _plot, attention
-from selfattn._validate import positive_ints
+from selfattn import attention
+from selfattn._util import plot as _plot
+from selfattn._util.validate import positive_ints
 from selfattn.backends import tiled
 from selfattn.distributed import layout as layouts
 from selfattn.distributed import ring, ring_attention

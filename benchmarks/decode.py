@@ -74,8 +74,8 @@ import torch
 from torch import nn
 
 from benchmarks import common
-from selfattn import _plot
-from selfattn._validate import positive_ints
+from selfattn._util import plot as _plot
+from selfattn._util.validate import positive_ints
 from selfattn.config import GPTConfig
 from selfattn.generation import compile_decode, decode_layout, generate
 from selfattn.generation.compiled import compiled_of

@@ -56,7 +56,8 @@ import torch
 
 from benchmarks import common, llama_cpp
 from benchmarks.quantized import weight_bytes
-from selfattn import _plot, _validate
+from selfattn._util import plot as _plot
+from selfattn._util import validate as _validate
 from selfattn.generation import compile_decode, decode_layout, generate, kernel_step
 from selfattn.generation.compiled import compiled_of
 from selfattn.generation.int8 import quantize_int8

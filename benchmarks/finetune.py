@@ -28,7 +28,9 @@ import torch
 
 from benchmarks import common
 from benchmarks.decode import DEFAULT_CKPT, hf_twin
-from selfattn import _plot, _validate, lora
+from selfattn import lora
+from selfattn._util import plot as _plot
+from selfattn._util import validate as _validate
 from selfattn.config import GPTConfig
 from selfattn.io.formats import peft as peft_format
 from selfattn.model import GPT

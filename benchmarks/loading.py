@@ -28,7 +28,8 @@ from pathlib import Path
 import torch
 
 from benchmarks import common, llama_cpp
-from selfattn import _plot, _validate
+from selfattn._util import plot as _plot
+from selfattn._util import validate as _validate
 
 MODELS = Path(__file__).resolve().parents[1] / ".cache" / "models"
 FILES = {"SmolLM2-135M Q4_1": MODELS / "SmolLM2-135M-Instruct.Q4_1.gguf",

@@ -31,7 +31,9 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks import common
-from selfattn import _plot, _validate, backends
+from selfattn import backends
+from selfattn._util import plot as _plot
+from selfattn._util import validate as _validate
 from selfattn.attention import attention
 from selfattn.backends import calibrate, tuning
 from selfattn.masks import Mask

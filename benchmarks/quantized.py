@@ -25,7 +25,8 @@ import torch.nn.functional as F
 
 from benchmarks import common, llama_cpp
 from benchmarks.decode import DEFAULT_CKPT
-from selfattn import _plot, _validate
+from selfattn._util import plot as _plot
+from selfattn._util import validate as _validate
 from selfattn.generation import compile_decode, decode_layout, generate
 from selfattn.generation.int8 import KERNEL_ROWS, quantize_int8
 from selfattn.model import GPT

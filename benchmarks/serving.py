@@ -56,7 +56,8 @@ import torch
 
 from benchmarks import common, llama_cpp
 from benchmarks.decode import DEFAULT_CKPT
-from selfattn import _plot, _validate
+from selfattn._util import plot as _plot
+from selfattn._util import validate as _validate
 from selfattn.config import GPTConfig
 from selfattn.generation import decode_layout, generate
 from selfattn.generation.layout import FEW

@@ -35,7 +35,8 @@ import torch
 
 from benchmarks import common
 from benchmarks.decode import DEFAULT_CKPT, hf_twin, roofline
-from selfattn import _plot, _validate
+from selfattn._util import plot as _plot
+from selfattn._util import validate as _validate
 from selfattn.config import GPTConfig
 from selfattn.generation import compile_decode, decode_layout, generate
 from selfattn.generation.speculative import Speculative

@@ -26,7 +26,8 @@ import torch
 
 from benchmarks import common
 from benchmarks.decode import DEFAULT_CKPT
-from selfattn import _plot, _validate
+from selfattn._util import plot as _plot
+from selfattn._util import validate as _validate
 from selfattn.generation import generate
 from selfattn.io import carry
 from selfattn.io.loading import load

@@ -17,8 +17,8 @@ import torch
 
 from benchmarks import common
 from benchmarks.peers import NanoGPT
-from selfattn import _plot
-from selfattn._validate import positive_ints
+from selfattn._util import plot as _plot
+from selfattn._util.validate import positive_ints
 from selfattn.config import GPTConfig
 from selfattn.model import GPT
 

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks import common
-from selfattn import _plot
+from selfattn._util import plot as _plot
 from selfattn.audit.parity import flash_rule, forward_backward
 from selfattn.scores import alibi_slopes
 

@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor, nn
 
-from selfattn import _validate, backends
+from selfattn import backends
+from selfattn._util import validate as _validate
 from selfattn.kv_cache import KVCache, RollingKVCache
 from selfattn.masks import Mask
 from selfattn.norms import Norm

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from selfattn import _validate, backends, norms
-from selfattn._fields import described
+from selfattn import backends, norms
+from selfattn._util import validate as _validate
+from selfattn._util.fields import described
 from selfattn.norms import Norm
 from selfattn.rope import check_scaling
 

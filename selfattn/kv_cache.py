@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from selfattn._validate import count, positive_ints
+from selfattn._util.validate import count, positive_ints
 
 
 class KVCache:

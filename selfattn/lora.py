@@ -45,7 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from selfattn import _validate
+from selfattn._util import validate as _validate
 from selfattn.families import FAMILIES
 from selfattn.io.formats import peft
 from selfattn.io.formats.checkpoint import digest

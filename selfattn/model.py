@@ -59,7 +59,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from selfattn import _validate
+from selfattn._util import validate as _validate
 from selfattn.attention import SelfAttention
 from selfattn.config import MLP_KINDS, GPTConfig
 from selfattn.kv_cache import KVCache, RollingKVCache

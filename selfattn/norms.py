@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from selfattn import _validate
+from selfattn._util import validate as _validate
 
 KINDS = ("layernorm", "rmsnorm")
 

@@ -28,7 +28,7 @@ import math
 import torch
 from torch import Tensor
 
-from selfattn import _validate
+from selfattn._util import validate as _validate
 
 # rope_type -> the parameters it needs (beyond rope_type) and those it may have
 _REQUIRED = {"default": (), "linear": ("factor",),

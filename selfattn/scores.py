@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from selfattn import _validate
+from selfattn._util import validate as _validate
 
 
 @dataclass(frozen=True, eq=False)

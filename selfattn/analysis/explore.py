@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from selfattn import _files
+from selfattn._util import files as _files
 from selfattn.analysis.heads import UNDEFINED, capture, head_scores, rank_heads
 from selfattn.model import GPT
 

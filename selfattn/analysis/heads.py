@@ -36,8 +36,8 @@ from collections.abc import Iterator, Sequence
 import torch
 from torch import Tensor, nn
 
-from selfattn import _plot
-from selfattn._validate import positive_ints
+from selfattn._util import plot as _plot
+from selfattn._util.validate import positive_ints
 from selfattn.attention import SelfAttention
 
 ROLES = ("previous-token", "induction", "duplicate-token", "first-token")

@@ -38,9 +38,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from selfattn import _files, _plot
-from selfattn._fields import described
-from selfattn._validate import positive_ints
+from selfattn._util import files as _files
+from selfattn._util import plot as _plot
+from selfattn._util.fields import described
+from selfattn._util.validate import positive_ints
 from selfattn.analysis.heads import attention_maps, head_scores, plot_attention_grid, repeated_tokens
 from selfattn.config import GPTConfig
 from selfattn.model import GPT

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 import torch
 
-from selfattn._validate import positive_ints
+from selfattn._util.validate import positive_ints
 from selfattn.attention import attention
 
 SCALINGS = ("1/sqrt(D)", "1/sqrt(C)", "1 (none)")

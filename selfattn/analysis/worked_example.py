@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from selfattn import _validate
+from selfattn._util import validate as _validate
 from selfattn.attention import SelfAttention
 from selfattn.masks import Mask
 

@@ -37,7 +37,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor, nn
 
-from selfattn import _validate
+from selfattn._util import validate as _validate
 from selfattn.masks import Mask
 
 METHODS = ("perturb", "jacobian", "both")

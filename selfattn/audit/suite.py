@@ -17,7 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from selfattn import backends
-from selfattn._validate import one_line
+from selfattn._util.validate import one_line
 from selfattn.attention import SelfAttention
 from selfattn.audit.cache import CacheReport, check_cache
 from selfattn.audit.causality import CausalityReport, check_causal, input_embedding_name

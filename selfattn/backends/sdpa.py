@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from selfattn import _timing
+from selfattn._util import timing as _timing
 from selfattn.backends._common import dense_mask, half
 from selfattn.kernels import stream
 from selfattn.masks import Mask

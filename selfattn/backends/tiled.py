@@ -45,8 +45,8 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from selfattn._seeds import stream_seed
-from selfattn._validate import positive_ints
+from selfattn._util.seeds import stream_seed
+from selfattn._util.validate import positive_ints
 from selfattn.backends._common import half
 from selfattn.kernels.features import multiplies_natively
 from selfattn.masks import HIDDEN, PARTIAL, Mask

@@ -38,7 +38,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from selfattn import _files, _timing
+from selfattn._util import files as _files
+from selfattn._util import timing as _timing
 from selfattn.kernels.features import multiplies_natively
 from selfattn.masks import Mask
 from selfattn.scores import Scores

@@ -13,7 +13,8 @@ import os
 
 import torch
 
-from selfattn import _files, _validate
+from selfattn._util import files as _files
+from selfattn._util import validate as _validate
 from selfattn.backends import calibrate
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

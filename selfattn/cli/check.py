@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from selfattn import _validate
+from selfattn._util import validate as _validate
 from selfattn.audit import suite
 from selfattn.audit.cache import CacheReport
 from selfattn.audit.causality import METHODS, CausalityReport

@@ -23,7 +23,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from selfattn import _validate
+from selfattn._util import validate as _validate
 from selfattn.io.loading import Loaded, load
 from selfattn.training import chat
 from selfattn.training.data import read_corpus

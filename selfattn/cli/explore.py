@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from selfattn import _files
+from selfattn._util import files as _files
 from selfattn.analysis.explore import QUANT_ERROR, explore
 from selfattn.analysis.heads import repeated_tokens
 from selfattn.io.loading import load

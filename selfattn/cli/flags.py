@@ -1,9 +1,9 @@
 """Config dataclasses as command-line flags.
 
 A chosen field of a config dataclass becomes one flag (``n_layer`` -> ``--n-layer``) whose help is
-the field's own (``metadata["help"]``, :mod:`selfattn._fields`); every other field is set by name with
+the field's own (``metadata["help"]``, :mod:`selfattn._util.fields`); every other field is set by name with
 ``--set FIELD=VALUE``. Flags default to "not given", so a caller can layer values: dataclass defaults,
-then a preset, then a JSON file (:func:`selfattn._validate.config_fields`), then what a person typed.
+then a preset, then a JSON file (:func:`selfattn._util.validate.config_fields`), then what a person typed.
 """
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import dataclasses
 import difflib
 import json
 
-from selfattn._fields import help_of
-from selfattn._validate import field_type
+from selfattn._util.fields import help_of
+from selfattn._util.validate import field_type
 
 
 def add_flags(parser: argparse.ArgumentParser, cls: type, *, only: tuple[str, ...] | None = None,

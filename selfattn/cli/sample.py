@@ -35,7 +35,7 @@ import sys
 
 import torch
 
-from selfattn import _validate
+from selfattn._util import validate as _validate
 from selfattn.generation import compile_decode, decode_layout
 from selfattn.generation.int8 import quantize_int8
 from selfattn.generation.sampling import check_sampling

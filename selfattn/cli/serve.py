@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from selfattn import _validate
+from selfattn._util import validate as _validate
 from selfattn.generation.layout import FEW
 from selfattn.io.loading import load
 

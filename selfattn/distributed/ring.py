@@ -35,7 +35,8 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from selfattn import _validate, backends
+from selfattn import backends
+from selfattn._util import validate as _validate
 from selfattn.backends import tiled
 from selfattn.backends._common import half
 from selfattn.distributed.layout import check_layout, chunks, gather

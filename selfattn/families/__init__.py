@@ -25,7 +25,7 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor
 
-from selfattn._validate import listed
+from selfattn._util.validate import listed
 from selfattn.families import _names, bloom, gemma, gpt2, gpt_oss, llama, olmo2, phi3
 from selfattn.model import GPT
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 
-from selfattn import _validate
+from selfattn._util import validate as _validate
 from selfattn.rope import ROPE_TYPES, check_scaling
 
 LAYER_TYPES = ("full_attention", "sliding_attention")  # transformers' names of the two kinds of layer

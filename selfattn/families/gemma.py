@@ -22,7 +22,7 @@ than those rules'; Gemma 2's RoPE scaling applies to its sliding layers too, Gem
 """
 from __future__ import annotations
 
-from selfattn import _validate
+from selfattn._util import validate as _validate
 from selfattn.config import GPTConfig
 from selfattn.families import _config, _gguf, _names, llama
 

@@ -14,7 +14,7 @@ function) and computes GELU's tanh approximation (``gelu_new``) whatever the fil
 """
 from __future__ import annotations
 
-from selfattn import _validate
+from selfattn._util import validate as _validate
 from selfattn.config import GPTConfig
 from selfattn.families import _config, _gguf, _names
 

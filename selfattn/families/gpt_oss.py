@@ -25,7 +25,7 @@ without a sliding layer (``attention.sliding_window`` is required: it asserts a 
 """
 from __future__ import annotations
 
-from selfattn import _validate
+from selfattn._util import validate as _validate
 from selfattn.config import GPTConfig
 from selfattn.families import _config, _gguf, _names, llama
 

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor
 
-from selfattn import _validate
+from selfattn._util import validate as _validate
 from selfattn.generation.sampling import check_sampling, next_token
 from selfattn.generation.speculative import Speculative, resolve
 from selfattn.generation.speculative import decode as speculative_decode

@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from selfattn import _timing
+from selfattn._util import timing as _timing
 from selfattn.kernels import stream
 from selfattn.kernels.features import multiplies_natively
 from selfattn.model import MoE

@@ -67,7 +67,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from selfattn import _validate
+from selfattn._util import validate as _validate
 from selfattn.generation.layout import FEW
 from selfattn.generation.sampling import greedy, next_token, probabilities
 from selfattn.generation.steps import Steps, decode_cache, steps_of

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from selfattn import _files
+from selfattn._util import files as _files
 from selfattn.families import writing
 from selfattn.io.hf import to_hf
 from selfattn.model import GPT

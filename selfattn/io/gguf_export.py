@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from selfattn import _files
+from selfattn._util import files as _files
 from selfattn.families import writing
 from selfattn.io.export import Special, logits_error
 from selfattn.io.formats import gguf_write

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from selfattn._validate import listed, one_line
+from selfattn._util.validate import listed, one_line
 from selfattn.config import GPTConfig
 from selfattn.model import GPT
 

@@ -29,8 +29,9 @@ from pathlib import Path
 
 import torch
 
-from selfattn import _validate, families, lora
-from selfattn._validate import one_line
+from selfattn import families, lora
+from selfattn._util import validate as _validate
+from selfattn._util.validate import one_line
 from selfattn.config import GPTConfig
 from selfattn.io import carry
 from selfattn.io.formats import checkpoint, hf_folder

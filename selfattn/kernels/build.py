@@ -3,7 +3,7 @@
 ``stream.cpp`` and ``decode.cpp`` (with their shared header ``stream.h``) are compiled together into
 one shared library with the machine's compiler (``$CXX`` or ``c++``; torch.compile needs one on the
 CPU too), for an instruction set of :data:`~selfattn.kernels.features.FLAGS`, and kept in
-:func:`selfattn._files.cache_dir` named by a hash of the sources, the flags and the torch version:
+:func:`selfattn._util.files.cache_dir` named by a hash of the sources, the flags and the torch version:
 a later process (or a test worker) finds it there. A build that fails raises one line saying why;
 :func:`selfattn.kernels.stream.failure` turns that into the reason its callers keep PyTorch's
 kernels.
@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from torch.utils import cpp_extension
 
-from selfattn import _files
+from selfattn._util import files as _files
 from selfattn.kernels.features import FLAGS
 
 HERE = Path(__file__).parent

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from selfattn._validate import count, one_line
+from selfattn._util.validate import count, one_line
 from selfattn.generation.layout import FEW
 from selfattn.generation.sampling import next_token
 from selfattn.model import GPT

@@ -19,7 +19,7 @@ import os
 import re
 from pathlib import Path
 
-from selfattn._validate import one_line
+from selfattn._util.validate import one_line
 from selfattn.io.formats.jsonfile import text
 
 BYTE_LEVEL, SENTENCEPIECE = "byte-level", "sentencepiece"  # the two schemes token_bytes reads

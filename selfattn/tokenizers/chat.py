@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 from datetime import datetime
 
-from selfattn._validate import one_line
+from selfattn._util.validate import one_line
 
 
 class ChatTemplate:

@@ -46,7 +46,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from selfattn._seeds import stream_seed
+from selfattn._util.seeds import stream_seed
 from selfattn.loss import IGNORE
 from selfattn.tokenizers import BPETokenizer
 from selfattn.tokenizers.chat import ChatTemplate

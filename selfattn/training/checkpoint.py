@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from selfattn import _files
-from selfattn._validate import one_line
+from selfattn._util import files as _files
+from selfattn._util.validate import one_line
 from selfattn.io.formats.checkpoint import (  # noqa: F401  (the format's names, public here too)
     FORMAT,
     CheckpointError,

@@ -29,8 +29,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from selfattn import _files
-from selfattn._seeds import stream_seed
+from selfattn._util import files as _files
+from selfattn._util.seeds import stream_seed
 from selfattn.tokenizers import BPETokenizer, ByteTokenizer, from_spec
 
 MAX_CORPUS_BYTES = 4 * 2 ** 30  # the corpus is read and tokenized whole, in memory: past this, refused

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from selfattn import _validate
+from selfattn._util import validate as _validate
 from selfattn.loss import IGNORE
 from selfattn.model import GPT
 

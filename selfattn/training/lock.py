@@ -25,7 +25,7 @@ import socket
 from collections.abc import Iterator
 from pathlib import Path
 
-from selfattn import _files
+from selfattn._util import files as _files
 
 NAME = ".lock"
 _held: set[Path] = set()  # run folders this process holds (resolved)

@@ -36,9 +36,11 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from selfattn import _files, _plot, _validate
-from selfattn._fields import described
-from selfattn._seeds import stream_seed
+from selfattn._util import files as _files
+from selfattn._util import plot as _plot
+from selfattn._util import validate as _validate
+from selfattn._util.fields import described
+from selfattn._util.seeds import stream_seed
 from selfattn.config import GPTConfig
 from selfattn.distributed import SequenceShard
 from selfattn.families import writing

@@ -401,7 +401,7 @@ def test_a_failed_explore_leaves_no_folder_it_made(tmp_path, capsys, monkeypatch
     import dataclasses
     import errno
 
-    from selfattn import _files
+    from selfattn._util import files as _files
     from selfattn.training import checkpoint
 
     cfg = GPTConfig(vocab_size=256, block_size=16, n_layer=1, n_head=2, n_embd=16)

@@ -11,7 +11,8 @@ from torch.utils.flop_counter import FlopCounterMode
 from benchmarks import attention, common, decode, finetune, memory, surgery, train
 from benchmarks.cli import run as bench
 from benchmarks.peers import ATTENTION_PEERS, NanoGPT, SeedSelfAttention, attention_peer
-from selfattn import SelfAttention, _validate
+from selfattn import SelfAttention
+from selfattn._util import validate as _validate
 from selfattn.config import GPTConfig
 from selfattn.lora import lora_modules
 from selfattn.model import GPT

@@ -7,7 +7,7 @@ import re
 import pytest
 import torch
 
-from selfattn import _files
+from selfattn._util import files as _files
 from selfattn.kernels import build, features, stream
 from selfattn.kernels.features import assume_native_half
 from selfattn.kernels.stream import MATRIX_DTYPES, ROW_DTYPES

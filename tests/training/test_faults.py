@@ -36,7 +36,7 @@ RUN = ["--n-layer", "1", "--n-embd", "16", "--n-head", "2", "--block-size", "16"
 FAULTY = """
 import fnmatch, os, signal, sys, time
 from pathlib import Path
-from selfattn import _files
+from selfattn._util import files as _files
 from selfattn.cli import main
 from selfattn.training import data
 
@@ -215,7 +215,7 @@ def test_a_full_disk_during_a_save_keeps_the_last_checkpoint(small_disk, corpus,
 
 
 def test_a_full_disk_cuts_an_appended_log_back(small_disk):
-    from selfattn import _files
+    from selfattn._util import files as _files
 
     log = small_disk / "log.jsonl"
     log.write_text('{"step": 1}\n')

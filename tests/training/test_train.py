@@ -27,7 +27,7 @@ RESUMED = MICRO + ["--max-steps", "6", "--save-every", "2", "--eval-every", "3",
 KILL_DURING_SAVE = """
 import os, signal, sys
 from pathlib import Path
-from selfattn import _files
+from selfattn._util import files as _files
 from selfattn.cli import main
 
 fsync = _files.fsync

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from selfattn._validate import one_line
+from selfattn._util.validate import one_line
 
 FORMAT = "selfattn-checkpoint-2"
 _OLDER = {"selfattn-checkpoint-1": "its digest covers the tensors but not the header"}  # formats this one replaced

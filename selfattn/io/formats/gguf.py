@@ -42,7 +42,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from selfattn._validate import one_line
+from selfattn._util.validate import one_line
 from selfattn.families import FAMILIES, GGUF_ARCHITECTURES
 from selfattn.families._gguf import REQUIRED, ROPE_TENSORS, FieldError, rope
 from selfattn.io.formats import ggml_blocks

@@ -25,8 +25,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from selfattn._files import atomic_path, writable_folder, write_text
-from selfattn._validate import listed
+from selfattn._util.files import atomic_path, writable_folder, write_text
+from selfattn._util.validate import listed
 from selfattn.config import GPTConfig
 from selfattn.families import FAMILIES
 from selfattn.io.formats.checkpoint import import_safetensors

@@ -2,14 +2,14 @@
 
 Drawing on a ``matplotlib.figure.Figure`` touches no global backend or figure state, so
 library code can plot from any thread or process; :func:`save` writes the file through
-:func:`selfattn._files.atomic_path`, so a reader never sees half a PNG.
+:func:`selfattn._util.files.atomic_path`, so a reader never sees half a PNG.
 """
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
-from selfattn import _files
+from selfattn._util import files as _files
 
 
 def figure(**kwargs):
