@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
 import math
 import numbers
 import types
@@ -275,3 +276,9 @@ def one_line(e: BaseException, limit: int = 300) -> str:
     """An exception's message on one line, cut to ``limit`` characters (its type if empty)."""
     text = " ".join(str(e).split()) or type(e).__name__
     return text if len(text) <= limit else text[:limit] + "..."
+
+
+def short_json(value, limit: int = 80) -> str:
+    """``value`` as JSON (``repr`` for what JSON cannot write), cut to ``limit`` characters, for an error message."""
+    text = json.dumps(value, ensure_ascii=False, default=repr)
+    return text if len(text) <= limit else text[:limit - 3] + "..."

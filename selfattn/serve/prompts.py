@@ -5,23 +5,20 @@ from __future__ import annotations
 from selfattn.io.loading import Loaded
 from selfattn.serve.errors import APIError
 from selfattn.serve.schemas import ChatRequest, CompletionRequest, Message
+from selfattn.tokenizers.chat import text_messages
 
 COMPLETION_TOKENS = 16  # a completion's max_tokens when not given, as OpenAI's; a chat's is the context left
 
 
-def conversation(messages: list[Message]) -> list[dict]:
-    """The messages as the chat template reads them: ``{"role", "content"}`` with the content as text."""
-    return [{"role": m.role, "content": m.text()} for m in messages]
-
-
 def chat_ids(loaded: Loaded, messages: list[Message]) -> list[int]:
     """The conversation written with the model's chat template, as token ids (a generation prompt
-    after it, as ``selfattn sample --chat`` writes it); 400 when the template refuses it."""
+    after it, as ``selfattn sample --chat`` writes it); 400 for a part that is not text, a role the
+    template does not write, or a conversation it refuses."""
     if loaded.chat is None:
         raise APIError(400, f"messages: this model ({loaded.source.name}) has no chat template; use /v1/completions",
                        param="messages")
     try:
-        text = loaded.chat.render(conversation(messages), add_generation_prompt=True)
+        text = loaded.chat.render(text_messages([m.model_dump() for m in messages]), add_generation_prompt=True)
     except (ValueError, TypeError) as e:
         raise APIError(400, f"messages: {e}", param="messages") from None
     return loaded.require_tokenizer().encode(text)

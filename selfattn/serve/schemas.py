@@ -8,7 +8,6 @@ refused too (:func:`refuse_unsupported`), not ignored.
 from __future__ import annotations
 
 import json
-from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.requests import Request
@@ -30,10 +29,10 @@ class Generating(_Body):
     """The fields both generation endpoints take; None: the default."""
     model: str | None = None
     max_tokens: int | None = Field(None, ge=0)
-    temperature: float | None = Field(None, ge=0, le=2)
-    top_p: float | None = Field(None, gt=0, le=1)
+    temperature: float | None = Field(None, ge=0, le=2, allow_inf_nan=False)
+    top_p: float | None = Field(None, gt=0, le=1, allow_inf_nan=False)
     top_k: int | None = Field(None, gt=0)  # not OpenAI's: vLLM's and llama-server's
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-(1 << 63), lt=1 << 64)  # what torch.Generator.manual_seed takes
     stop: str | list[str] | None = None
     n: int | None = Field(None, ge=1)
     stream: bool | None = None
@@ -51,18 +50,11 @@ class Generating(_Body):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
-class TextPart(_Body):
-    type: Literal["text"]
-    text: str
-
-
 class Message(_Body):
+    """A chat message; its role and parts are checked as ``train`` checks a chat file's
+    (:func:`selfattn.tokenizers.chat.text_messages`, the template's roles)."""
     role: str
-    content: str | list[TextPart] | None = None
-
-    def text(self) -> str:
-        """The content as one string (text parts joined, None as "")."""
-        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content or [])
+    content: str | list[dict]  # a string, or text parts: [{"type": "text", "text": ...}]
 
 
 class ChatRequest(Generating):
@@ -146,7 +138,7 @@ def parse(schema: type[_Body], body: dict) -> _Body:
 def _param(loc: tuple, schema: type[_Body]) -> str:
     """The field at ``loc`` as OpenAI names it (``messages[0].content``): list indices in brackets;
     the names pydantic adds for the alternatives of a union left out."""
-    fields = {name for model in (schema, Message, TextPart, StreamOptions) for name in model.model_fields}
+    fields = {name for model in (schema, Message, StreamOptions) for name in model.model_fields}
     param = str(loc[0])
     for part in loc[1:]:
         if isinstance(part, int):

@@ -13,9 +13,41 @@ extras: ``trim_blocks`` and ``lstrip_blocks``, the loop controls (``{% break %}`
 from __future__ import annotations
 
 import json
+import re
 from datetime import datetime
 
-from selfattn._util.validate import one_line
+from selfattn._util.validate import one_line, short_json
+
+ROLES = ("system", "user", "assistant")  # every chat template writes these
+EXTRA_ROLES = ("tool", "developer", "ipython")  # roles some templates write: known to one that names it
+
+
+def text_messages(messages) -> list[dict]:
+    """``messages`` as a template reads them, each ``{"role": str, "content": str, ...}`` (other keys
+    kept): a content given as a list of text parts (OpenAI's ``[{"type": "text", "text": ...}]``)
+    joined into one string.
+
+    Raises ``ValueError`` naming the message (1-based) that is not an object, has no string role, no
+    content, or a part that is not text."""
+    if not isinstance(messages, list) or not messages:
+        raise ValueError(f"messages must be a non-empty list, got {short_json(messages)}")
+    out = []
+    for k, m in enumerate(messages, 1):
+        if not (isinstance(m, dict) and isinstance(m.get("role"), str)):
+            raise ValueError(f"message {k} must be an object with a string \"role\", got {short_json(m)}")
+        content = m.get("content")
+        if isinstance(content, list):
+            for j, part in enumerate(content, 1):
+                if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                    kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                    raise ValueError(f"message {k}: content part {j} is of type {kind!r}; only text parts "
+                                     f"({{\"type\": \"text\", \"text\": ...}}) are read")
+            content = "".join(part["text"] for part in content)
+        if not isinstance(content, str):
+            raise ValueError(f"message {k} must have a \"content\": a string or a list of text parts, got "
+                             f"{short_json(m)}")
+        out.append({**m, "content": content})
+    return out
 
 
 class ChatTemplate:
@@ -30,13 +62,20 @@ class ChatTemplate:
             raise ValueError(f"{where}: the chat template must be a non-empty string, got {source!r}")
         self.source, self.tokens, self.where = source, dict(tokens), where
         self._template = None  # compiled on first use: loading a model never needs jinja2
+        # the roles it writes: every template's, and each extra one its source names in quotes
+        self.roles = ROLES + tuple(r for r in EXTRA_ROLES if re.search(f"[\"']{r}[\"']", source))
 
     def render(self, messages: list[dict], *, add_generation_prompt: bool = True, **extra) -> str:
         """The text of ``messages``; with ``add_generation_prompt``, followed by what starts the
         assistant's answer. ``extra`` variables (``tools``, ``documents``, ...) reach the template.
-        A template that refuses the conversation (``raise_exception``) is a ValueError saying why."""
+        A message whose role the template does not write (:attr:`roles`), or a template that refuses
+        the conversation (``raise_exception``), is a ValueError saying why."""
         if not (isinstance(messages, list) and all(isinstance(m, dict) and "role" in m for m in messages)):
             raise TypeError(f"messages must be a list of dicts with a 'role', got {messages!r}")
+        for k, m in enumerate(messages, 1):
+            if m["role"] not in self.roles:
+                raise ValueError(f"message {k} has the role {m['role']!r}, which this model's chat template does "
+                                 f"not write (its roles: {', '.join(self.roles)})")
         jinja2 = _import_jinja2()
         if self._template is None:
             try:

@@ -1,7 +1,9 @@
 """Chat data for fine-tuning: conversations in, token rows whose targets are the assistant's tokens only.
 
 The file: JSON Lines, one conversation a line, ``{"messages": [{"role": ..., "content": ...}, ...]}``
-(OpenAI's and TRL's format). ``--data`` is chat data exactly when its name ends in ``.jsonl``
+(OpenAI's and TRL's format), a content a string or a list of text parts (``[{"type": "text",
+"text": ...}]``), a role one the model's chat template writes (system, user, assistant, and tool
+where the template names it: ``ChatTemplate.roles``). ``--data`` is chat data exactly when its name ends in ``.jsonl``
 (:func:`is_chat_data`): the suffix decides, the content is never sniffed, so a text corpus that
 happens to hold JSON stays text. Blank lines are skipped; other keys of a line or of a message are
 kept (a message's reach the template). The file follows :func:`selfattn.training.data.read_corpus`'s
@@ -47,9 +49,10 @@ import torch
 from torch import Tensor
 
 from selfattn._util.seeds import stream_seed
+from selfattn._util.validate import short_json
 from selfattn.loss import IGNORE
 from selfattn.tokenizers import BPETokenizer
-from selfattn.tokenizers.chat import ChatTemplate
+from selfattn.tokenizers.chat import ChatTemplate, text_messages
 from selfattn.training import data as text_data
 
 SUFFIX = ".jsonl"  # the file name ending that makes --data chat data
@@ -92,7 +95,8 @@ def read_conversations(path: str | os.PathLike) -> list[Conversation]:
 
     Raises ``ValueError`` naming the file, and the line (1-based) for a line that is not JSON, not an
     object with ``messages``, whose messages are not a non-empty list of ``{"role": str, "content":
-    str}``, or that has no assistant message (it would teach nothing)."""
+    str or text parts}``, or that has no assistant message (it would teach nothing). A role the
+    template does not write is refused when the conversations are encoded (:func:`encode_all`)."""
     return _parse(_read(path), str(path))
 
 
@@ -272,22 +276,16 @@ def _parse(text: str, where: str) -> list[Conversation]:
         messages = record.get("messages") if isinstance(record, dict) else None
         if not isinstance(messages, list) or not messages:
             raise ValueError(f"{where} line {number}: expected an object with a non-empty list \"messages\", got "
-                             f"{_short(record)}")
-        for k, m in enumerate(messages, 1):
-            if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
-                raise ValueError(f"{where} line {number}: message {k} must be an object with a string \"role\" and "
-                                 f"a string \"content\", got {_short(m)}")
+                             f"{short_json(record)}")
+        try:
+            messages = text_messages(messages)
+        except ValueError as e:
+            raise ValueError(f"{where} line {number}: {e}") from None
         if not any(m["role"] == "assistant" for m in messages):
             raise ValueError(f"{where} line {number}: the conversation has no assistant message, so it would teach "
                              f"nothing (roles: {', '.join(m['role'] for m in messages)})")
         conversations.append(Conversation(number, messages))
     return conversations
-
-
-def _short(value, limit: int = 80) -> str:
-    """``value`` as JSON, cut to ``limit`` characters, for an error message."""
-    text = json.dumps(value, ensure_ascii=False)
-    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def _epoch_rows(n_rows: int, seed: int, tag: str, step: int, batch_size: int) -> Tensor:

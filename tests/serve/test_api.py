@@ -147,6 +147,16 @@ ERRORS = [  # (path, body as JSON or bytes, status, param, a fragment of the mes
      "tools", "tools are not served"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a" * 1100}]}, 400, "messages",
      "longer than the model's context of 1024 tokens"),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages",
+     "message 1 has the role 'wizard', which this model's chat template does not write"),
+    ("/v1/chat/completions", {"messages": [{"role": "user"}]}, 400, "messages[0].content",
+     "messages[0].content: Field required"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+     400, "messages", "message 1: content part 1 is of type 'image_url'; only text parts"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "seed": 2 ** 80}, 400, "seed",
+     "seed: Input should be less than 18446744073709551616"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "temperature": NaN}', 400,
+     "temperature", "temperature: Input should be a finite number, got NaN"),
     ("/v1/completions", {"model": "tiny"}, 400, "prompt", "prompt: Field required"),
     ("/v1/completions", TOO_LONG, 400, "prompt", "the prompt is 1025 tokens, longer than the model's context"),
     ("/v1/completions", {"prompt": [300, 1]}, 400, "prompt", "token ids must be in [0, 256), got [300]"),
@@ -174,6 +184,14 @@ def test_a_request_the_server_cannot_honour_gets_an_openai_error_naming_the_fiel
 def test_the_server_answers_well_after_every_bad_request(served, client):
     test_a_chat_answers_what_the_model_answers_alone(served, client, "abc")
     assert httpx.get(served[1] + "/v1/chat/completions", timeout=WAIT).status_code == 405
+
+
+def test_text_parts_are_read_as_their_joined_text(served, client):
+    parts = [{"type": "text", "text": "what is "}, {"type": "text", "text": "a cache?"}]
+    answer = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": parts}],
+                                            max_tokens=8, temperature=0).choices[0].message.content
+    assert answer == client.chat.completions.create(model="tiny", messages=[
+        {"role": "user", "content": "what is a cache?"}], max_tokens=8, temperature=0).choices[0].message.content
 
 
 def test_unknown_fields_are_ignored(served):

@@ -18,6 +18,10 @@ CHAT = {"messages": [{"role": "user", "content": "hi"}]}
     ({**CHAT, "max_tokens": -1}, "max_tokens", "max_tokens: Input should be greater than or equal to 0, got -1"),
     ({**CHAT, "temperature": "hot"}, "temperature", 'temperature: Input should be a valid number, got "hot"'),
     ({**CHAT, "top_p": 0}, "top_p", "top_p: Input should be greater than 0"),
+    ({**CHAT, "temperature": float("nan")}, "temperature", "temperature: Input should be a finite number, got NaN"),
+    ({**CHAT, "seed": 2 ** 80}, "seed", "seed: Input should be less than 18446744073709551616"),
+    ({**CHAT, "seed": -2 ** 64}, "seed", "seed: Input should be greater than or equal to -9223372036854775808"),
+    ({"messages": [{"role": "user"}]}, "messages[0].content", "messages[0].content: Field required"),
     ({**CHAT, "stream": 1}, "stream", "stream: Input should be a valid boolean, got 1"),
     ({**CHAT, "stop": [1]}, "stop", "stop: "),  # a union: the first alternative speaks
     ({**CHAT, "stream_options": {"include_usage": "yes"}}, "stream_options.include_usage", "stream_options."),

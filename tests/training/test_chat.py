@@ -79,11 +79,13 @@ def test_blank_lines_are_skipped_and_lines_counted(tmp_path):
     ('{"prompt": "hi"}', 'line 2: expected an object with a non-empty list "messages", got {"prompt": "hi"}'),
     ('{"messages": []}', 'line 2: expected an object with a non-empty list "messages", got {"messages": []}'),
     ('{"messages": "hi"}', 'line 2: expected an object with a non-empty list "messages"'),
-    ('{"messages": [{"role": "user"}]}', 'line 2: message 1 must be an object with a string "role" and a string '
-                                         '"content", got {"role": "user"}'),
+    ('{"messages": [{"role": "user"}]}', 'line 2: message 1 must have a "content": a string or a list of text '
+                                         'parts, got {"role": "user"}'),
     ('{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": null}]}',
-     'line 2: message 2 must be an object with a string "role" and a string "content"'),
-    ('{"messages": [{"role": 1, "content": "a"}]}', "line 2: message 1 must be an object"),
+     'line 2: message 2 must have a "content"'),
+    ('{"messages": [{"role": 1, "content": "a"}]}', 'line 2: message 1 must be an object with a string "role"'),
+    ('{"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}',
+     "line 2: message 1: content part 1 is of type 'image_url'; only text parts"),
     ('{"messages": [{"role": "system", "content": "a"}, {"role": "user", "content": "b"}]}',
      "line 2: the conversation has no assistant message, so it would teach nothing (roles: system, user)"),
 ])
@@ -112,6 +114,16 @@ def test_the_file_follows_the_text_corpus_rules(tmp_path, kind, message):
     with pytest.raises(ValueError) as e:
         chat.read_conversations(path)
     assert message in str(e.value) and str(path) in str(e.value)
+
+
+def test_text_parts_are_read_as_their_joined_text(tmp_path):
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Hi "}, {"type": "text", "text": "there"}]},
+             {"role": "assistant", "content": [{"type": "text", "text": "Hello!"}]}]
+    path = write_jsonl(tmp_path / "c.jsonl", [parts, [{"role": "user", "content": "Hi there"},
+                                                       {"role": "assistant", "content": "Hello!"}]])
+    as_parts, as_text = chat.read_conversations(path)
+    assert as_parts.messages == as_text.messages == [{"role": "user", "content": "Hi there"},
+                                                      {"role": "assistant", "content": "Hello!"}]
 
 
 # --- encoding --------------------------------------------------------------------------------
@@ -167,6 +179,26 @@ def test_a_conversation_longer_than_a_row_is_refused_naming_its_line_and_both_le
                                          rf"{n - 1}; it is refused, not truncated"):
         chat.encode_all(conversations, smol.tokenizer, smol.chat, where=str(path), block_size=n - 1)
     assert len(chat.encode_all(conversations, smol.tokenizer, smol.chat, where=str(path), block_size=n)) == 3
+
+
+def test_a_role_the_template_does_not_write_is_refused_naming_the_line_and_the_role(smol, tmp_path):
+    human = [{"role": "human", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]  # ShareGPT's word
+    path = write_jsonl(tmp_path / "c.jsonl", [SHORT[0], human])
+    conversations = chat.read_conversations(path)
+    with pytest.raises(ValueError, match=rf"^{path} line 2: message 1 has the role 'human', which this model's chat "
+                                         rf"template does not write \(its roles: system, user, assistant"):
+        chat.encode_all(conversations, smol.tokenizer, smol.chat, where=str(path), block_size=256)
+    human[0]["role"] = "user"  # control: the same conversation with a role the template writes
+    assert len(chat.encode_all(chat.read_conversations(write_jsonl(path, [SHORT[0], human])), smol.tokenizer,
+                               smol.chat, where=str(path), block_size=256)) == 2
+
+
+def test_a_template_knows_the_tool_role_when_its_source_names_it():
+    assert ChatTemplate("{{ messages }}", {}, "plain").roles == ("system", "user", "assistant")
+    tools = ChatTemplate("{% if m.role == 'tool' %}{{ m.content }}{% endif %}", {}, "with tools")
+    assert tools.roles == ("system", "user", "assistant", "tool")
+    with pytest.raises(ValueError, match="message 1 has the role 'tool'"):
+        ChatTemplate("{{ messages }}", {}, "plain").render([{"role": "tool", "content": "42"}])
 
 
 def test_a_conversation_with_nothing_to_predict_is_refused_naming_its_line(smol):
