@@ -41,7 +41,7 @@ from benchmarks.impls import IMPLS, MODES, OURS, Impl, call, implementation, inp
 from selfattn import backends
 from selfattn._util import plot as _plot
 from selfattn._util.validate import positive_ints
-from selfattn.attention import SelfAttention
+from selfattn.self_attention import SelfAttention
 
 GIB = 2 ** 30
 

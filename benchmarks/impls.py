@@ -15,8 +15,8 @@ from torch import nn
 
 from benchmarks import peers
 from selfattn import backends
-from selfattn.attention import SelfAttention
 from selfattn.masks import Mask
+from selfattn.self_attention import SelfAttention
 
 OURS = ("auto",) + backends.NAMES
 IMPLS = OURS + peers.ATTENTION_PEERS

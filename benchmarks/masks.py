@@ -34,10 +34,10 @@ from benchmarks import common
 from selfattn import backends
 from selfattn._util import plot as _plot
 from selfattn._util import validate as _validate
-from selfattn.attention import attention
 from selfattn.backends import calibrate, tuning
 from selfattn.masks import Mask
 from selfattn.scores import Scores
+from selfattn.self_attention import attention
 
 OURS = ("auto",) + backends.NAMES
 PEERS = ("sdpa-dense", "flex-compiled")

@@ -2,7 +2,7 @@
 
 Attention peers, all ``(B, T, C) -> (B, T, C)`` modules with a fused q/k/v projection and an
 output projection, no biases (the seed's module): build one with :func:`attention_peer` from
-a reference :class:`~selfattn.attention.SelfAttention`, whose ``qkv.weight`` ``(3C, C)`` and
+a reference :class:`~selfattn.self_attention.SelfAttention`, whose ``qkv.weight`` ``(3C, C)`` and
 ``proj.weight`` ``(C, C)`` it copies.
 
 - ``seed``: the seed document's module, exactly as the seed writes it;
@@ -24,7 +24,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from selfattn.attention import SelfAttention
+from selfattn.self_attention import SelfAttention
 
 ATTENTION_PEERS = ("seed", "torch-mha", "nanogpt", "hf-gpt2", "hf-gpt2-eager")
 

@@ -1,4 +1,4 @@
-"""The transformer built on :class:`~selfattn.attention.SelfAttention`: GPT with a KV cache.
+"""The transformer built on :class:`~selfattn.self_attention.SelfAttention`: GPT with a KV cache.
 
 The seed's "stack it with a feed-forward block and residuals and you have a transformer":
 token embedding (+ learned positions, or RoPE inside attention), ``n_layer`` pre-norm
@@ -60,10 +60,10 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from selfattn._util import validate as _validate
-from selfattn.attention import SelfAttention
 from selfattn.config import MLP_KINDS, GPTConfig
 from selfattn.kv_cache import KVCache, RollingKVCache
 from selfattn.loss import head_cross_entropy
+from selfattn.self_attention import SelfAttention
 
 if TYPE_CHECKING:  # the core never imports the distributed layer; a shard is handed in
     from selfattn.distributed import SequenceShard

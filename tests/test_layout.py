@@ -123,9 +123,9 @@ def test_tokenizers_formats_and_models_import_nothing_above_them():
 
 # the rooms at or below the model (what they may not import): the attention core, the kernels, the backends,
 # the config and the model know nothing of generation, loading, families, training, the tools or the commands
-AT_OR_BELOW_THE_MODEL = ("selfattn.attention", "selfattn.masks", "selfattn.scores", "selfattn.rope", "selfattn.norms",
-                         "selfattn.kv_cache", "selfattn.kernels", "selfattn.backends", "selfattn.config",
-                         "selfattn.loss", "selfattn.model")
+AT_OR_BELOW_THE_MODEL = ("selfattn.self_attention", "selfattn.masks", "selfattn.scores", "selfattn.rope",
+                         "selfattn.norms", "selfattn.kv_cache", "selfattn.kernels", "selfattn.backends",
+                         "selfattn.config", "selfattn.loss", "selfattn.model")
 ABOVE_THE_MODEL = ("selfattn.generation", "selfattn.io", "selfattn.families", "selfattn.tokenizers", "selfattn.lora",
                    "selfattn.training", "selfattn.serve", "selfattn.audit", "selfattn.analysis", "selfattn.cli")
 
@@ -140,7 +140,8 @@ def _imports_of(graph: dict[str, set[str]], rooms: tuple[str, ...], forbidden: t
 def test_nothing_at_or_below_the_model_imports_what_sits_above_it():
     graph = _graph()
     assert not _imports_of(graph, AT_OR_BELOW_THE_MODEL, ABOVE_THE_MODEL)
-    assert not _imports_of(graph, ("selfattn.kernels",), ("selfattn.backends", "selfattn.attention", "selfattn.model"))
+    assert not _imports_of(graph, ("selfattn.kernels",), ("selfattn.backends", "selfattn.self_attention",
+                                                          "selfattn.model"))
     assert not _imports_of(graph, ("selfattn.io",), ("selfattn.training", "selfattn.audit", "selfattn.analysis",
                                                      "selfattn.cli"))  # loading reads checkpoints; training writes them
     assert _imports_of({"selfattn.model": {"selfattn.generation.steps"}}, AT_OR_BELOW_THE_MODEL,

@@ -38,7 +38,7 @@ from torch import Tensor, nn
 
 from selfattn._util import plot as _plot
 from selfattn._util.validate import positive_ints
-from selfattn.attention import SelfAttention
+from selfattn.self_attention import SelfAttention
 
 ROLES = ("previous-token", "induction", "duplicate-token", "first-token")
 UNDEFINED = {"induction": "no token recurs with another token between its two copies",  # score -> when it is NaN

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import torch
 
 from selfattn._util.validate import positive_ints
-from selfattn.attention import attention
+from selfattn.self_attention import attention
 
 SCALINGS = ("1/sqrt(D)", "1/sqrt(C)", "1 (none)")
 

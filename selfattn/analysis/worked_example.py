@@ -14,8 +14,8 @@ from pathlib import Path
 import torch
 
 from selfattn._util import validate as _validate
-from selfattn.attention import SelfAttention
 from selfattn.masks import Mask
+from selfattn.self_attention import SelfAttention
 
 _LIVE_MATRICES = 4  # (1, H, T, T) float32 tensors alive at once: scores, masked scores, weights, and the module's
 

@@ -18,7 +18,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from selfattn.attention import attention
+from selfattn.self_attention import attention
 
 NAMES = ("out", "dq", "dk", "dv")
 

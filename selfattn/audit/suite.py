@@ -18,12 +18,12 @@ from torch import Tensor, nn
 
 from selfattn import backends
 from selfattn._util.validate import one_line
-from selfattn.attention import SelfAttention
 from selfattn.audit.cache import CacheReport, check_cache
 from selfattn.audit.causality import CausalityReport, check_causal, input_embedding_name
 from selfattn.config import GPTConfig
 from selfattn.masks import Mask
 from selfattn.model import GPT
+from selfattn.self_attention import SelfAttention
 
 
 def dilated(b, h, q_idx, kv_idx):

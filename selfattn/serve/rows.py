@@ -27,10 +27,10 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from selfattn.attention import SelfAttention
 from selfattn.generation.layout import FEW, RowLinear, decode_layout
 from selfattn.kv_cache import KVCache
 from selfattn.model import GPT, MoE
+from selfattn.self_attention import SelfAttention
 
 FIRST_POSITIONS = 256  # a row's cache starts with room for its prompt and this many more, then doubles
 
@@ -80,7 +80,7 @@ class LayerRows(Sequence):
 
 
 class RowsAttention(SelfAttention):
-    """:class:`~selfattn.attention.SelfAttention` that, given :class:`LayerRows`, attends each row
+    """:class:`~selfattn.self_attention.SelfAttention` that, given :class:`LayerRows`, attends each row
     alone on its own cache, exactly as a batch of one (positions from the row's cache, no mask);
     for any other cache, or none, it is SelfAttention unchanged. The batch's other arguments (the
     mask and positions :func:`decode_step` describes the rows by) are not needed then."""

@@ -5,22 +5,19 @@ know of (no mask, a mask after the softmax, off-by-one masks, leaks outside atte
 built here and must be caught, naming the first leaking (output, input) pair.
 """
 import functools
-import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from selfattn import KVCache, SelfAttention
+from selfattn import KVCache, SelfAttention, self_attention
 from selfattn.audit import check_cache, check_causal, hf_adapter
 from selfattn.backends import tiled
 from selfattn.config import GPTConfig
 from selfattn.generation import generate
 from selfattn.masks import Mask
 from selfattn.model import GPT
-
-ATTENTION = sys.modules["selfattn.attention"]  # the module; `selfattn.attention` is the function
 
 C, T = 8, 7
 
@@ -288,7 +285,7 @@ def test_tiny_gpt_passes_on_token_ids(config):
 def test_gpt_with_a_leaking_attention_is_caught(monkeypatch):
     """The model-level audit sees through the layers: patch the attention to drop its mask."""
     gpt = GPT(GPTConfig(vocab_size=32, block_size=16, n_layer=2, n_head=2, n_embd=16))
-    monkeypatch.setattr(ATTENTION, "attention",
+    monkeypatch.setattr(self_attention, "attention",
                         lambda q, k, v, **kw: F.scaled_dot_product_attention(q, k, v))
     report = check_causal(gpt, torch.randint(0, 32, (1, 6)))
     assert report.first_leak[:2] == (0, 1) and pairs(report, "jacobian") == upper(6)
@@ -450,7 +447,7 @@ def test_cache_with_a_stale_slot_is_caught(monkeypatch, decode_only, step):
 def test_cache_with_top_left_alignment_is_caught(monkeypatch):
     """``is_causal=True`` with a cache: PyTorch aligns it top-left, so the decoded token's query
     sees only key 0. The prefill (T == S) is right; the first decode step is not."""
-    monkeypatch.setattr(ATTENTION, "attention",
+    monkeypatch.setattr(self_attention, "attention",
                         lambda q, k, v, **kw: F.scaled_dot_product_attention(q, k, v, is_causal=True))
     report = check_cache(tiny_gpt(), torch.randint(0, 32, (2, 5)), 4)
     assert (report.first_step, report.first_layer) == (1, "block 0")

@@ -10,8 +10,8 @@ import torch
 from benchmarks import common, masks
 from benchmarks.cli import run as bench
 from selfattn import Mask
-from selfattn.attention import attention
 from selfattn.backends import tuning
+from selfattn.self_attention import attention
 
 CPU = torch.device("cpu")
 FAST = ("auto", "math", "sdpa", "tiled", "sdpa-dense")  # no compiling backend: seconds, not a minute
