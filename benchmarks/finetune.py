@@ -32,7 +32,7 @@ from selfattn import lora
 from selfattn._util import plot as _plot
 from selfattn._util import validate as _validate
 from selfattn.config import GPTConfig
-from selfattn.io.formats import peft as peft_format
+from selfattn.formats import peft as peft_format
 from selfattn.model import GPT
 
 IMPLS = ("selfattn", "transformers")

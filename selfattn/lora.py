@@ -33,7 +33,7 @@ one product per part while it is on); the adapters train and evaluate with the m
 Beside them: :func:`merge` folds the adapters into plain linears; :func:`adapter_state`,
 :func:`load_adapter_state`, :func:`lora_settings` and :func:`base_digest` are what a checkpoint
 needs to rebuild a model with LoRA and check it sits on the same base; :func:`save_peft` and
-:func:`load_peft` write and read ``peft``'s adapter folders (:mod:`selfattn.io.formats.peft`).
+:func:`load_peft` write and read ``peft``'s adapter folders (:mod:`selfattn.formats.peft`).
 """
 from __future__ import annotations
 
@@ -47,8 +47,8 @@ from torch import Tensor, nn
 
 from selfattn._util import validate as _validate
 from selfattn.families import FAMILIES
-from selfattn.io.formats import peft
-from selfattn.io.formats.checkpoint import digest
+from selfattn.formats import peft
+from selfattn.formats.checkpoint import digest
 from selfattn.model import GPT, MLP, GatedMLP
 
 _SPLIT = {"attn.qkv": 3, "mlp.gate_up_proj": 2}  # our fused linears: how many tensors q/k/v, gate/up are
@@ -226,7 +226,7 @@ def check_base(base: dict, digest: str, what: str) -> None:
 def save_peft(model: GPT, folder: str | os.PathLike, model_type: str, *, base_model: str) -> Path:
     """Write ``model``'s adapters as a ``peft`` adapter folder for ``model_type``'s ``transformers``
     model (``base_model``: its ``base_model_name_or_path``), which ``PeftModel.from_pretrained`` loads;
-    see :mod:`selfattn.io.formats.peft`. ValueError when ``model_type`` names the fused linears
+    see :mod:`selfattn.formats.peft`. ValueError when ``model_type`` names the fused linears
     otherwise than the parts were cut (``add_lora(..., family=model_type)``). Returns the folder."""
     tensors = peft.to_peft(adapter_state(model), _parts_of(model), model.config, model_type)
     s = lora_settings(model)

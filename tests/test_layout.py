@@ -1,10 +1,10 @@
 """The layout's rules, checked on the source itself.
 
-Imports flow one way (no cycle between files of the package; models, tokenizers and formats import
-nothing of the loader, training, the tools or the commands above them); only the command package
-parses flags, prints or exits; the dispatcher imports no command it does not run; every
-backend declares the one contract; no run of six identical lines of code stands twice; the code
-holds a handful of measured figures at most (the rest are in ``docs/benchmarks.md``).
+Imports flow one way (no cycle between files of the package, nor between its rooms; the private helpers
+import no room; models, tokenizers, formats and LoRA import nothing of the loader, training, the tools or
+the commands above them); only the command package parses flags, prints or exits; the dispatcher imports
+no command it does not run; every backend declares the one contract; no run of six identical lines of code
+stands twice; the code holds a handful of measured figures at most (the rest are in ``docs/benchmarks.md``).
 """
 import ast
 import re
@@ -100,11 +100,11 @@ def test_the_cycle_finder_counts_the_packages_an_import_runs(tmp_path):  # the o
     assert _cycle(_graph(new)) is None
 
 
-# rooms below the loader (what they may not import): model files, tokenizers and formats know
-# nothing of the loader, training, the tools or the commands above them
-BELOW_THE_LOADER = ("selfattn.families", "selfattn.tokenizers", "selfattn.io.formats", "selfattn.lora")
-ABOVE = ("selfattn.io.loading", "selfattn.io.export", "selfattn.training", "selfattn.serve", "selfattn.audit",
-         "selfattn.analysis", "benchmarks", "selfattn.cli", "selfattn.io.hf")
+# rooms below the loader (what they may not import): model files, tokenizers, formats and LoRA know
+# nothing of the loader (all of io/), training, the tools or the commands above them
+BELOW_THE_LOADER = ("selfattn.families", "selfattn.tokenizers", "selfattn.formats", "selfattn.lora")
+ABOVE = ("selfattn.io", "selfattn.training", "selfattn.serve", "selfattn.audit", "selfattn.analysis", "benchmarks",
+         "selfattn.cli")
 
 
 def _upward_imports(graph: dict[str, set[str]]) -> list[str]:
@@ -116,7 +116,7 @@ def _upward_imports(graph: dict[str, set[str]]) -> list[str]:
 
 def test_tokenizers_formats_and_models_import_nothing_above_them():
     graph = _graph()
-    assert {"selfattn.tokenizers", "selfattn.io.formats", "selfattn.families"} <= set(graph)
+    assert {"selfattn.tokenizers", "selfattn.formats", "selfattn.families"} <= set(graph)
     assert not _upward_imports(graph), "\n".join(_upward_imports(graph))
     assert not [m for m in graph if m.startswith("selfattn.training.") and "token" in m]  # tokenizers left training
 
@@ -167,9 +167,56 @@ def test_generation_uses_only_the_models_public_api():
 
 
 def test_the_upward_import_finder_finds_one():  # negative control
-    graph = {"selfattn.io.formats.gguf": {"selfattn.training.checkpoint"},
-             "selfattn.io.loading": {"selfattn.io.formats"}}
-    assert _upward_imports(graph) == ["selfattn.io.formats.gguf -> selfattn.training.checkpoint"]
+    graph = {"selfattn.formats.gguf": {"selfattn.training.checkpoint"},
+             "selfattn.io.loading": {"selfattn.formats"}}
+    assert _upward_imports(graph) == ["selfattn.formats.gguf -> selfattn.training.checkpoint"]
+
+
+def _room(module: str) -> str | None:
+    """The room of a module of the package: ``selfattn.X`` for the file or folder X at the package's root."""
+    parts = module.split(".")
+    return ".".join(parts[:2]) if parts[0] == "selfattn" and len(parts) > 1 else None
+
+
+def _rooms(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """The rooms' graph: room a -> room b when a module of a imports a module of b."""
+    rooms: dict[str, set[str]] = defaultdict(set)
+    for a, imported in graph.items():
+        if room := _room(a):
+            rooms[room] |= {r for b in imported if (r := _room(b)) and r != room}
+    return {room: rooms[room] for room in {*rooms, *(r for rs in rooms.values() for r in rs)}}
+
+
+def _below_the_helpers(graph: dict[str, set[str]]) -> list[str]:
+    """``a -> b`` for every private helper a (``selfattn._util``) importing a module b of another room."""
+    return [f"{a} -> {b}" for a in sorted(graph) if _room(a) == "selfattn._util"
+            for b in sorted(graph[a]) if _room(b) != "selfattn._util"]
+
+
+def test_no_two_rooms_import_each_other():
+    # a room's piece that a room below it needs lives on the floor both share: the file formats (peft's
+    # folders, the checkpoint digest) below LoRA and the loader, the JSON reader with the private helpers
+    graph = _graph()
+    assert {"selfattn.formats", "selfattn.lora", "selfattn.io", "selfattn._util"} <= set(_rooms(graph))
+    cycle = _cycle(_rooms(graph))
+    assert cycle is None, " -> ".join(cycle)
+    assert not _below_the_helpers(graph)  # the private helpers import no room: every room may use them
+
+
+def test_the_room_finder_finds_the_old_arrows():  # negative control: the old tree's two arrows back up
+    old = {"selfattn.lora": {"selfattn.io.formats.peft", "selfattn.io.formats.checkpoint", "selfattn.model"},
+           "selfattn.io.loading": {"selfattn.lora", "selfattn.tokenizers.bpe"},
+           "selfattn.io.formats.peft": {"selfattn.io.formats.checkpoint"},
+           "selfattn.tokenizers.bpe": {"selfattn.io.formats.jsonfile", "selfattn._util.validate"},
+           "selfattn._util.validate": set()}
+    assert _rooms(old)["selfattn.lora"] == {"selfattn.io", "selfattn.model"}
+    assert _cycle(_rooms(old)) == ["selfattn.io", "selfattn.lora", "selfattn.io"]
+    del old["selfattn.lora"]
+    assert _cycle(_rooms(old)) == ["selfattn.io", "selfattn.tokenizers", "selfattn.io"]
+    old["selfattn.tokenizers.bpe"] = {"selfattn._util.jsonfile"}
+    assert _cycle(_rooms(old)) is None
+    assert _below_the_helpers({"selfattn._util.plot": {"selfattn._util.files", "selfattn.model"}}) == [
+        "selfattn._util.plot -> selfattn.model"]
 
 
 def test_the_cycle_finder_finds_a_cycle():  # negative control

@@ -23,8 +23,8 @@ from pathlib import Path
 
 from selfattn import lora
 from selfattn.families import writing
+from selfattn.formats.gguf_write import TYPES
 from selfattn.io.export import PROBE_TOKENS, Special, check_target, export
-from selfattn.io.formats.gguf_write import TYPES
 from selfattn.io.loading import Loaded, load
 from selfattn.training.data import read_corpus
 from selfattn.training.evaluate import perplexity

@@ -1,5 +1,5 @@
 """What a family declares about GGUF files: llama.cpp's names for its architectures, config fields and
-tensors, and the fixes llama.cpp's converter makes to the values. Read by :mod:`selfattn.io.formats.gguf`.
+tensors, and the fixes llama.cpp's converter makes to the values. Read by :mod:`selfattn.formats.gguf`.
 
 A family module that llama.cpp has an architecture for holds ``GGUF = Names(...)``:
 

@@ -1,6 +1,6 @@
 """A model as a GGUF file that llama.cpp runs, checked by reading it back.
 
-``export_gguf(gpt, tokenizer, out)`` writes the file (:mod:`selfattn.io.formats.gguf_write`) under a temporary
+``export_gguf(gpt, tokenizer, out)`` writes the file (:mod:`selfattn.formats.gguf_write`) under a temporary
 name beside ``out``, reads it back with the loader every command uses (:func:`selfattn.io.loading.load`),
 and renames it into place only when the model read back is the model written: the same decoder, field for
 field (its float fields, an epsilon say, as float32, as the file stores them; a RoPE rule the same rotations
@@ -19,8 +19,8 @@ import torch
 
 from selfattn._util import files as _files
 from selfattn.families import writing
+from selfattn.formats import gguf_write
 from selfattn.io.export import Special, logits_error
-from selfattn.io.formats import gguf_write
 from selfattn.io.loading import load
 from selfattn.model import GPT
 from selfattn.rope import rope_angles

@@ -8,11 +8,11 @@ folder written by ``transformers``' ``save_pretrained``, or a GGUF file of llama
   ``model_type``: ``gpt2`` through :func:`selfattn.io.hf.load_gpt2`, tokenizer from the folder's
   ``tokenizer.json`` or ``vocab.json`` + ``merges.txt``; the families of :mod:`selfattn.families`
   from ``config.json`` and ``model.safetensors`` (or its shards) by their mapping, without
-  ``transformers`` (:mod:`selfattn.io.formats.hf_folder`): the tokenizer from ``tokenizer.json`` when
+  ``transformers`` (:mod:`selfattn.formats.hf_folder`): the tokenizer from ``tokenizer.json`` when
   :class:`~selfattn.tokenizers.BPETokenizer` streams it (byte-level or SentencePiece-style BPE),
   else none (:meth:`Loaded.require_tokenizer` says so); the bos, eos and chat template beside it.
   Any other ``model_type`` is refused, naming it and the file;
-- GGUF file (``.gguf``, or any file that starts as one; :mod:`selfattn.io.formats.gguf`): its
+- GGUF file (``.gguf``, or any file that starts as one; :mod:`selfattn.formats.gguf`): its
   metadata as a ``config.json`` and its tensors, dequantised one at a time, by the same mapping;
   its tokenizer, bos, eos and chat template from its metadata.
 
@@ -31,11 +31,11 @@ import torch
 
 from selfattn import families, lora
 from selfattn._util import validate as _validate
+from selfattn._util.jsonfile import json_object as _json_object
 from selfattn._util.validate import one_line
 from selfattn.config import GPTConfig
+from selfattn.formats import checkpoint, hf_folder
 from selfattn.io import carry
-from selfattn.io.formats import checkpoint, hf_folder
-from selfattn.io.formats.jsonfile import json_object as _json_object
 from selfattn.model import GPT
 from selfattn.tokenizers import BPETokenizer, ByteTokenizer, from_spec
 from selfattn.tokenizers.chat import ChatTemplate
@@ -75,7 +75,7 @@ class Loaded:
 def load(path: str | os.PathLike, *, merge: bool = True) -> Loaded:
     """The model at ``path`` (see the module docstring for the kinds of path).
 
-    Raises ``ValueError`` (a :class:`~selfattn.io.formats.checkpoint.CheckpointError` for a
+    Raises ``ValueError`` (a :class:`~selfattn.formats.checkpoint.CheckpointError` for a
     damaged file) naming the path when it holds no model this library can read, and naming the
     tensor when a weight is NaN or infinite (a damaged file, a NaN quantisation scale): checked
     once, here, so no command samples from or audits such a model.
@@ -217,7 +217,7 @@ def _load_family(path: Path) -> Loaded:
 def _load_gguf(path: Path) -> Loaded:
     """A GGUF file: its metadata as a config.json and its tensors, mapped by the family's mapping; its
     tokenizer (None, saying why, when this library reads no tokenizer of its kind), bos, eos, chat template."""
-    from selfattn.io.formats import gguf
+    from selfattn.formats import gguf
     from selfattn.tokenizers.gguf import from_metadata
 
     file = gguf.read(path)

@@ -19,8 +19,8 @@ import os
 import re
 from pathlib import Path
 
+from selfattn._util.jsonfile import text
 from selfattn._util.validate import one_line
-from selfattn.io.formats.jsonfile import text
 
 BYTE_LEVEL, SENTENCEPIECE = "byte-level", "sentencepiece"  # the two schemes token_bytes reads
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte fallback tokens

@@ -22,7 +22,7 @@ MODELS = ("gpt2", "llama")  # the tokenizer.ggml.model values read
 
 
 def from_metadata(metadata) -> BPETokenizer | SentencePieceTokenizer:
-    """The tokenizer of a GGUF file's :class:`~selfattn.io.formats.gguf.Metadata`; a ValueError
+    """The tokenizer of a GGUF file's :class:`~selfattn.formats.gguf.Metadata`; a ValueError
     naming the file and field when it has none this library reads."""
     where = metadata.path
     model = metadata.value("tokenizer.ggml.model", str)

@@ -1,5 +1,5 @@
 """Training checkpoints written: one safetensors file per save (the format, and reading it:
-:mod:`selfattn.io.formats.checkpoint`), written atomically, restored into a model and its optimizer.
+:mod:`selfattn.formats.checkpoint`), written atomically, restored into a model and its optimizer.
 
 Saving writes a temporary file in the same folder, fsyncs it, renames it over the final
 name (atomic on POSIX) and fsyncs the folder, so a kill at any moment leaves every earlier
@@ -20,7 +20,7 @@ from torch import nn
 
 from selfattn._util import files as _files
 from selfattn._util.validate import one_line
-from selfattn.io.formats.checkpoint import (  # noqa: F401  (the format's names, public here too)
+from selfattn.formats.checkpoint import (  # noqa: F401  (the format's names, public here too)
     FORMAT,
     CheckpointError,
     checkpoints,

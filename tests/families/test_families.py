@@ -191,7 +191,7 @@ def test_rope_parameters_without_a_rope_type_but_its_base_are_the_default_rule(t
 
 def test_a_tied_embedding_of_another_shape_is_named_once(tmp_path):
     from selfattn import families
-    from selfattn.io.formats import hf_folder
+    from selfattn.formats import hf_folder
 
     _, folder = saved("qwen2", tmp_path)  # tied: the head is the embedding
     family = families.FAMILIES["qwen2"]

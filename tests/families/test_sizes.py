@@ -8,8 +8,8 @@ import gguf
 import pytest
 
 from selfattn import families
-from selfattn.io.formats import gguf as formats_gguf
-from selfattn.io.formats import hf_folder
+from selfattn.formats import gguf as formats_gguf
+from selfattn.formats import hf_folder
 from selfattn.model import GPT
 
 from helpers import gguf_files

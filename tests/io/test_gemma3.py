@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from selfattn.cli import main
+from selfattn.formats import gguf as formats_gguf
 from selfattn.generation import generate
 from selfattn.io import loading
-from selfattn.io.formats import gguf as formats_gguf
 
 from helpers.gemma3 import gemma3, gemma3_f32
 from helpers.llama_cpp import complete

@@ -17,8 +17,8 @@ from tokenizers import Regex, decoders, pre_tokenizers
 
 from selfattn.config import GPTConfig
 from selfattn.families import writing
+from selfattn.formats import gguf_write
 from selfattn.io.export import Special
-from selfattn.io.formats import gguf_write
 from selfattn.io.gguf_export import export_gguf
 from selfattn.io.loading import load
 from selfattn.tokenizers import BPETokenizer, ByteTokenizer, SentencePieceTokenizer

@@ -19,8 +19,8 @@ import transformers
 
 from selfattn.config import GPTConfig
 from selfattn.families import writing
-from selfattn.io.formats import gguf as formats_gguf
-from selfattn.io.formats import gguf_write
+from selfattn.formats import gguf as formats_gguf
+from selfattn.formats import gguf_write
 from selfattn.io.gguf_export import export_gguf
 from selfattn.io.loading import load
 from selfattn.tokenizers import ByteTokenizer

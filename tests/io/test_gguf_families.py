@@ -27,8 +27,8 @@ import pytest
 import torch
 
 from selfattn.families import FAMILIES, bloom, gemma, gpt_oss, llama
+from selfattn.formats import gguf as formats_gguf
 from selfattn.io import loading
-from selfattn.io.formats import gguf as formats_gguf
 
 from helpers import families, gguf_files, llama_cpp
 from helpers.families import T, build, tokens

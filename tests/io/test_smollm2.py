@@ -12,10 +12,10 @@ import transformers  # noqa: E402
 
 from benchmarks.cli import run as bench  # noqa: E402
 from selfattn.cli import main  # noqa: E402
+from selfattn.formats import gguf as formats_gguf  # noqa: E402
 from selfattn.generation import generate  # noqa: E402
 from selfattn.generation.text import text_pieces  # noqa: E402
 from selfattn.io import loading  # noqa: E402
-from selfattn.io.formats import gguf as formats_gguf  # noqa: E402
 from selfattn.tokenizers.gguf import from_metadata  # noqa: E402
 
 from helpers.smollm2 import smollm2  # noqa: E402

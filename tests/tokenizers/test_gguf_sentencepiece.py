@@ -12,8 +12,8 @@ import pytest
 import tokenizers
 from tokenizers import normalizers
 
+from selfattn.formats.gguf import Metadata, _reader
 from selfattn.generation.text import text_pieces
-from selfattn.io.formats.gguf import Metadata, _reader
 from selfattn.tokenizers import from_spec
 from selfattn.tokenizers.gguf import from_metadata
 from selfattn.tokenizers.sentencepiece import BYTE, CONTROL, NORMAL, UNKNOWN, USER_DEFINED, SentencePieceTokenizer

@@ -23,8 +23,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from selfattn import lora
+from selfattn.formats.peft import from_peft, to_peft
 from selfattn.io import loading
-from selfattn.io.formats.peft import from_peft, to_peft
 from selfattn.model import GPT
 
 from helpers.families import build, tokens

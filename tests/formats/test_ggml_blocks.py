@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from selfattn.io.formats import ggml_blocks
+from selfattn.formats import ggml_blocks
 
 Q = gguf.GGMLQuantizationType
 SCALES = {Q.Q8_0: [0], Q.Q4_0: [0], Q.Q4_1: [0, 2], Q.Q5_0: [0], Q.Q5_1: [0, 2], Q.Q4_K: [0, 2], Q.Q5_K: [0, 2],

@@ -18,8 +18,8 @@ from pathlib import Path
 
 from torch import Tensor
 
+from selfattn._util.jsonfile import json_object, text
 from selfattn._util.validate import one_line
-from selfattn.io.formats.jsonfile import json_object, text
 from selfattn.tokenizers.bpe import BPETokenizer, read, scheme
 from selfattn.tokenizers.chat import ChatTemplate
 

@@ -26,11 +26,11 @@ import torch
 from torch import Tensor
 
 from selfattn._util.files import atomic_path, writable_folder, write_text
+from selfattn._util.jsonfile import json_object
 from selfattn._util.validate import listed
 from selfattn.config import GPTConfig
 from selfattn.families import FAMILIES
-from selfattn.io.formats.checkpoint import import_safetensors
-from selfattn.io.formats.jsonfile import json_object
+from selfattn.formats.checkpoint import import_safetensors
 
 CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 PREFIX = "base_model.model."  # peft's name of the wrapped transformers model

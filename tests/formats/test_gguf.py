@@ -13,10 +13,10 @@ import transformers  # noqa: E402
 
 from selfattn import families  # noqa: E402
 from selfattn.cli import main  # noqa: E402
+from selfattn.formats import gguf as formats_gguf  # noqa: E402
 from selfattn.generation import generate  # noqa: E402
 from selfattn.generation.text import text_pieces  # noqa: E402
 from selfattn.io import loading  # noqa: E402
-from selfattn.io.formats import gguf as formats_gguf  # noqa: E402
 
 from helpers import gguf_files  # noqa: E402
 from helpers.alive import most_alive  # noqa: E402

@@ -1,5 +1,5 @@
 """Our decoder and its tokenizer as a GGUF file that llama.cpp runs, written with the ``gguf`` package
-(llama.cpp's own writer): the inverse of :mod:`selfattn.io.formats.gguf` and :mod:`selfattn.tokenizers.gguf`.
+(llama.cpp's own writer): the inverse of :mod:`selfattn.formats.gguf` and :mod:`selfattn.tokenizers.gguf`.
 
 The architecture is that of the first family of :data:`selfattn.families.writing.WRITTEN` (Llama, Qwen2, Qwen3,
 Gemma 2, Gemma 3, OLMo 2, Phi-3, BLOOM, GPT-2, gpt-oss) that declares llama.cpp's names (its ``GGUF``,
@@ -394,7 +394,7 @@ def _copied(path) -> dict:
     """The tokenizer fields of the GGUF file ``path`` (those of :data:`_COPIED` it has), as values."""
     import gguf
 
-    from selfattn.io.formats.gguf import read
+    from selfattn.formats.gguf import read
 
     metadata = read(path).metadata
     keys = [getattr(gguf.Keys.Tokenizer, name) for name in _COPIED]

@@ -12,9 +12,9 @@ import transformers  # noqa: E402
 
 from selfattn import families  # noqa: E402
 from selfattn.cli import main  # noqa: E402
+from selfattn.formats import hf_folder  # noqa: E402
 from selfattn.generation.text import text_pieces  # noqa: E402
 from selfattn.io import loading  # noqa: E402
-from selfattn.io.formats import hf_folder  # noqa: E402
 from selfattn.tokenizers.bpe import SENTENCEPIECE  # noqa: E402
 
 from helpers.alive import most_alive  # noqa: E402

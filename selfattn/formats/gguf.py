@@ -14,7 +14,7 @@ the family of its ``general.architecture`` declares (its ``GGUF``, :mod:`selfatt
   ...): a tensor is read and dequantised to float32 when it is looked up, one at a time; its shape
   is known without reading it. Every type ``gguf.quants`` dequantises is read (F32, F16, BF16,
   Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, the K-quants, the IQ types, ...), the common ones by
-  :mod:`~selfattn.io.formats.ggml_blocks` (vectorised in PyTorch, equal to ggml's to the bit).
+  :mod:`~selfattn.formats.ggml_blocks` (vectorised in PyTorch, equal to ggml's to the bit).
 
 The converter's fixes are undone as a tensor is read: a norm weight stored with an offset (Gemma's 1) gets
 it taken off; the rows of ``attn_q`` and ``attn_k`` that it interleaves for llama.cpp's RoPE (a Llama's,
@@ -45,7 +45,7 @@ from torch import Tensor
 from selfattn._util.validate import one_line
 from selfattn.families import FAMILIES, GGUF_ARCHITECTURES
 from selfattn.families._gguf import REQUIRED, ROPE_TENSORS, FieldError, rope
-from selfattn.io.formats import ggml_blocks
+from selfattn.formats import ggml_blocks
 
 MAGIC = b"GGUF"
 
