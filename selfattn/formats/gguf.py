@@ -47,7 +47,7 @@ from selfattn.families import FAMILIES, GGUF_ARCHITECTURES
 from selfattn.families._gguf import REQUIRED, ROPE_TENSORS, FieldError, rope
 from selfattn.formats import ggml_blocks
 
-MAGIC = b"GGUF"
+MAGIC = b"GGUF"  # the first four bytes of every GGUF file
 
 
 @dataclass
@@ -59,12 +59,20 @@ class GGUF:
     metadata: Metadata
 
 
+def is_gguf(path: str | Path) -> bool:
+    """Whether ``path`` is a file that starts as a GGUF file does (:data:`MAGIC`), whatever its name."""
+    return Path(path).is_file() and _head(Path(path)) == MAGIC
+
+
+def _head(path: Path) -> bytes:
+    with open(path, "rb") as f:
+        return f.read(len(MAGIC))
+
+
 def read(path: str | Path) -> GGUF:
     """The GGUF file at ``path`` (see the module docstring); ValueError naming the file and field."""
     path = Path(path)
-    with open(path, "rb") as f:
-        head = f.read(4)
-    if head != MAGIC:
+    if (head := _head(path)) != MAGIC:
         raise ValueError(f"{path}: not a GGUF file (it starts with {head!r}, not {MAGIC!r})")
     reader = _reader(path)
     metadata = Metadata(reader, path)

@@ -34,7 +34,7 @@ from selfattn._util import validate as _validate
 from selfattn._util.jsonfile import json_object as _json_object
 from selfattn._util.validate import one_line
 from selfattn.config import GPTConfig
-from selfattn.formats import checkpoint, hf_folder
+from selfattn.formats import checkpoint, gguf, hf_folder
 from selfattn.io import carry
 from selfattn.model import GPT
 from selfattn.tokenizers import BPETokenizer, ByteTokenizer, from_spec
@@ -104,7 +104,7 @@ def _read(path: Path, merge: bool = True) -> Loaded:
     if not path.exists():
         raise ValueError(f"{str(path)!r} does not exist (expected a run folder, a checkpoint file, a transformers "
                          f"folder or a GGUF file)")
-    if path.is_file() and (path.suffix == ".gguf" or _starts_gguf(path)):
+    if path.is_file() and (path.suffix == ".gguf" or gguf.is_gguf(path)):
         return _load_gguf(path)
     if path.is_dir():
         found = checkpoint.read_latest(path)  # checkpoints first: a run folder's config.json is our own
@@ -217,7 +217,6 @@ def _load_family(path: Path) -> Loaded:
 def _load_gguf(path: Path) -> Loaded:
     """A GGUF file: its metadata as a config.json and its tensors, mapped by the family's mapping; its
     tokenizer (None, saying why, when this library reads no tokenizer of its kind), bos, eos, chat template."""
-    from selfattn.formats import gguf
     from selfattn.tokenizers.gguf import from_metadata
 
     file = gguf.read(path)
@@ -239,12 +238,6 @@ def _load_gguf(path: Path) -> Loaded:
     eos = tuple(dict.fromkeys(special[name] for name in ("eos", "eot") if name in special))
     return Loaded(model, tokenizer, start, path, eos, chat, why or Loaded.no_tokenizer, bos=special.get("bos"),
                   family=file.config["model_type"])
-
-
-def _starts_gguf(path: Path) -> bool:
-    """Whether the file starts as a GGUF file does, whatever its name."""
-    with open(path, "rb") as f:
-        return f.read(4) == b"GGUF"
 
 
 # model_type -> the loader of its folders; GPT-2's through transformers (its Conv1D weights are stored transposed)

@@ -178,6 +178,14 @@ def test_a_damaged_or_foreign_file_is_one_line_naming_the_file_and_what_is_cut(h
     assert capsys.readouterr().err == f"selfattn sample: error: {message}\n"
 
 
+def test_a_file_is_gguf_by_its_first_four_bytes_whatever_its_name(hf, tmp_path):
+    path = gguf_files.write(tmp_path / "model.bin", hf, types=TYPES)
+    assert formats_gguf.is_gguf(path) and loading.load(path).model.config.vocab_size == hf.config.vocab_size
+    assert not formats_gguf.is_gguf(tmp_path) and not formats_gguf.is_gguf(tmp_path / "absent.gguf")
+    _cut(path, 3)  # negative control: "GGU" is no GGUF file
+    assert not formats_gguf.is_gguf(path)
+
+
 @pytest.mark.parametrize("change, words", [
     (dict(tensors={"blk.1.ffn_norm.weight": np.ones(64, np.int32)}),
      "tensor blk.1.ffn_norm.weight is of type I32, which gguf cannot dequantise (it reads F32, F16, Q4_0"),

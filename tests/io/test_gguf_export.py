@@ -22,6 +22,7 @@ from selfattn.io.export import Special
 from selfattn.io.gguf_export import export_gguf
 from selfattn.io.loading import load
 from selfattn.tokenizers import BPETokenizer, ByteTokenizer, SentencePieceTokenizer
+from selfattn.tokenizers import gguf as tokenizer_gguf
 from selfattn.training import checkpoint
 
 from helpers.gguf_export import PROMPT, TOKENS, assert_llama_cpp_continues_as_we_do, command, ours, text
@@ -131,8 +132,8 @@ PRE = {
     "gpt-2": pre_tokenizers.ByteLevel(add_prefix_space=False),
     "smollm": pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
                                        pre_tokenizers.ByteLevel(add_prefix_space=False)]),
-    "llama-bpe": pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(gguf_write._LLAMA3), "isolated"), LEVEL]),
-    "qwen2": pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(gguf_write._QWEN2), "isolated"), LEVEL]),
+    "llama-bpe": pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(tokenizer_gguf._LLAMA3), "isolated"), LEVEL]),
+    "qwen2": pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(tokenizer_gguf._QWEN2), "isolated"), LEVEL]),
 }
 
 
