@@ -12,7 +12,7 @@ AVX2 run in ``docs/bench/masks-avx2.md``:
    sees every key (a decoded token), taken without the lookup of the measurements (which cost a
    large share of the attention it picks): SDPA without a mask beat the math backend's products over
    512 cached keys of SmolLM2's heads. On the CPU the sdpa backend hands such a token to the
-   one-query kernel of :mod:`selfattn.kernels.stream`, faster still.
+   one-query kernel of :mod:`selfattn.kernels.matvec`, faster still.
 3. A small request, T·S <= ``SMALL`` (a decoding step over a cache, a short sequence):
    ``sdpa`` with the dense mask. At T = S = 256 it beat tiled (window 64 and 4 documents); at
    512 the two tied; from 1024 on tiled won. The crossover is in T, not in the batch or heads:

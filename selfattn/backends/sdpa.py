@@ -9,8 +9,8 @@ expressible to SDPA and are refused.
 
 On the CPU a decoded token (one query that sees every key) and a few plain causal queries at the end
 of the keys (a speculative verification, :data:`FEW_QUERIES` at most), without a gradient or dropout,
-attend in :func:`selfattn.kernels.stream.attend` where that kernel builds for AVX2 or AVX-512
-(:func:`selfattn.kernels.stream.attends`): the cache streamed once, summed in float32, whatever
+attend in :func:`selfattn.kernels.matvec.attend` where that kernel builds for AVX2 or AVX-512
+(:func:`selfattn.kernels.matvec.attends`): the cache streamed once, summed in float32, whatever
 the dtype it is stored in. On SmolLM2's heads it beat SDPA in float32 and by far in bfloat16,
 the cache in the CPU's caches or evicted from them, and a compiled SmolLM2 step that took it beat
 one that took SDPA (``docs/benchmarks.md``, "Measurements the code cites").
@@ -34,7 +34,7 @@ from torch import Tensor
 
 from selfattn._util import timing as _timing
 from selfattn.backends._common import dense_mask, half
-from selfattn.kernels import stream
+from selfattn.kernels import matvec
 from selfattn.masks import Mask
 from selfattn.scores import Scores
 
@@ -57,8 +57,8 @@ def run(q: Tensor, k: Tensor, v: Tensor, mask: Mask, *, scale: float, dropout_p:
         scores: Scores | None = None) -> Tensor:
     T, S = q.shape[2], k.shape[2]
     alibi = scores is not None and scores.alibi_slopes is not None
-    if not alibi and _streams(q, k, v, mask, dropout_p):
-        return stream.attend(q, k, v, scale)
+    if not alibi and _attends_in_matvec(q, k, v, mask, dropout_p):
+        return matvec.attend(q, k, v, scale)
     is_causal = False  # an `if`, not the condition itself: traced by torch.compile, T == S is a symbolic
     if mask.plain_causal and T > 1 and T == S and not alibi:  # bool, which SDPA's is_causal does not take
         is_causal = True
@@ -75,18 +75,18 @@ def run(q: Tensor, k: Tensor, v: Tensor, mask: Mask, *, scale: float, dropout_p:
     return out if empty is None else out.masked_fill(empty, 0.0)
 
 
-def _streams(q: Tensor, k: Tensor, v: Tensor, mask: Mask, dropout_p: float) -> bool:
-    """Whether a request attends in :func:`selfattn.kernels.stream.attend`: a decoded token (one query
+def _attends_in_matvec(q: Tensor, k: Tensor, v: Tensor, mask: Mask, dropout_p: float) -> bool:
+    """Whether a request attends in :func:`selfattn.kernels.matvec.attend`: a decoded token (one query
     that sees every key) or up to :data:`FEW_QUERIES` plain causal queries at the end of the keys (a
     speculative verification, a short prompt), on the CPU, in dtypes it reads, without dropout or a
-    gradient, where the kernel serves (:func:`selfattn.kernels.stream.attends`). A graph traced for a
+    gradient, where the kernel serves (:func:`selfattn.kernels.matvec.attends`). A graph traced for a
     dynamic number of queries keeps SDPA for them: it would otherwise split at FEW_QUERIES into two."""
     T, S = q.shape[2], k.shape[2]
     fits = mask.sees_every_key(1, S) if T == 1 else isinstance(T, int) and T <= FEW_QUERIES and mask.plain_causal
     return (fits and q.device.type == "cpu" and dropout_p == 0.0 and k.dtype == v.dtype
-            and q.dtype in stream.ROW_DTYPES and k.dtype in stream.ROW_DTYPES
+            and q.dtype in matvec.ROW_DTYPES and k.dtype in matvec.ROW_DTYPES
             and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))
-            and stream.attends())
+            and matvec.attends())
 
 
 def _sdpa(q: Tensor, k: Tensor, v: Tensor, scale: float, dropout_p: float, *, attn_mask: Tensor | None = None,
@@ -120,7 +120,7 @@ def decide_compiled(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int
     process for each; nothing to measure off the CPU, in float32, or where the kernel serves."""
     key = (dtype, heads, kv_heads, head_dim)
     cpu = torch.device(device).type == "cpu"
-    if cpu and half(dtype) and key not in COMPILED_IN_FLOAT32 and not stream.attends():
+    if cpu and half(dtype) and key not in COMPILED_IN_FLOAT32 and not matvec.attends():
         COMPILED_IN_FLOAT32[key] = one_query_in_float32(dtype, heads, kv_heads, head_dim, COMPILED_KEYS)
 
 
@@ -130,7 +130,7 @@ def one_query_in_float32(dtype: torch.dtype, heads: int, kv_heads: int, head_dim
     """Whether this CPU attends one ``dtype`` query of ``heads`` heads over ``keys`` keys of
     ``kv_heads`` faster in float32 (the casts included) than in ``dtype``: SDPA, the median of
     ``reps`` interleaved calls each after a warm-up (milliseconds over 512 keys)."""
-    g = torch.Generator().manual_seed(0)  # the global random stream stays the caller's
+    g = torch.Generator().manual_seed(0)  # the global generator stays the caller's
     q, k, v = (torch.randn(1, h, n, head_dim, dtype=dtype, generator=g)
                for h, n in ((heads, 1), (kv_heads, keys), (kv_heads, keys)))  # (B, H, T, D)
     scale = head_dim ** -0.5

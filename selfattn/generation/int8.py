@@ -7,7 +7,7 @@ default: it changes the model's numbers (by about 1/254 of each row's largest we
 ``python -m benchmarks int8`` measures (top-1 agreement and perplexity against float32).
 
 The products: a few rows (decoding, a speculative verification: at most :data:`KERNEL_ROWS`) on
-the CPU run on :mod:`selfattn.kernels.stream`, which widens each int8 entry to float32 as it streams
+the CPU run on :mod:`selfattn.kernels.matvec`, which widens each int8 entry to float32 as it streams
 past, sums in float32 and scales each sum by its row's scale (the activations as they are). Where
 that kernel cannot be built, PyTorch's int8-weight kernel serves (``torch._weight_int8pack_mm``,
 accumulated in float32) with the activations rounded to bfloat16, the one input dtype it has a
@@ -24,7 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from selfattn.generation.layout import many_rows
-from selfattn.kernels import stream
+from selfattn.kernels import matvec
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # activations the kernels take (not float64)
 KERNEL_ROWS = 32  # up to this many rows the int8 kernel beats the dequantised weight (both measured at 8 and 64)
@@ -40,8 +40,8 @@ class Int8Linear(nn.Module):
         q = torch.round(w.float() / scale[:, None]).clamp(-127, 127).to(torch.int8)
         self.register_buffer("q", q.contiguous())  # (out, in) rows, as the kernels read them, whatever w's strides
         self.register_buffer("scale", scale)  # float32: cast to the activations' dtype per call
-        # the few-row kernel: "stream" (selfattn.kernels.stream) where it builds, else "int8pack"
-        self.kernel = "stream" if stream.failure() is None else "int8pack"
+        # the few-row kernel: "matvec" (selfattn.kernels.matvec) where it builds, else "int8pack"
+        self.kernel = "matvec" if matvec.failure() is None else "int8pack"
         if self.kernel == "int8pack":  # (only there: a compiled step checks every tensor of the model at each call)
             # its scales, cast once: a compiled decode step cannot feed the kernel a cast (a .to() of a model
             # may change this buffer's dtype: the .to(bfloat16) in forward is then a cast, else nothing)
@@ -52,8 +52,8 @@ class Int8Linear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         rows = x.reshape(-1, self.in_features).contiguous()  # (B·T, in)
         if rows.device.type == "cpu" and rows.shape[0] <= KERNEL_ROWS and rows.dtype in KERNEL_DTYPES:
-            if self.kernel == "stream":
-                y = stream.rows(self.q, rows, self.scale)
+            if self.kernel == "matvec":
+                y = matvec.rows(self.q, rows, self.scale)
             else:
                 y = torch._weight_int8pack_mm(rows.to(torch.bfloat16), self.q, self.kernel_scale.to(torch.bfloat16))
                 y = y.to(rows.dtype)

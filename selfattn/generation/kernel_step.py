@@ -1,5 +1,5 @@
 """A decode step of a decoder (Llama's, GPT-2's, Gemma's and the families between) as one C++ call
-(``kernels/decode.cpp``, built with :mod:`selfattn.kernels.stream`), for
+(``kernels/decode.cpp``, built with :mod:`selfattn.kernels.matvec`), for
 :func:`~selfattn.generation.compile_decode` on the CPU.
 
 A compiled graph (:mod:`selfattn.generation.compiled`) still pays per step for what surrounds its
@@ -20,8 +20,8 @@ local base), learned positions or neither; grouped kv heads; per-layer windows o
 with sink tokens; ALiBi, soft-capped scores, learned sinks; an MLP ``down(act(gate) * up)`` or
 ``down(act(up))`` with SiLU or GELU (exact or tanh), or a mixture of experts (gpt-oss's: each token's
 top k clamped SwiGLUs, the experts stored in rows by ``decode_layout``, in floats); biases on any matrix;
-the embedding scaled, the logits soft-capped; every matrix multiplied by the stream kernel
-(:func:`selfattn.generation.layout.decode_layout`'s ``stream`` form, its rule wherever the kernel builds,
+the embedding scaled, the logits soft-capped; every matrix multiplied by the matvec kernel
+(:func:`selfattn.generation.layout.decode_layout`'s ``matvec`` form, its rule wherever the kernel builds,
 or int8 from :func:`selfattn.generation.int8.quantize_int8`): the kernel runs the products the model's own
 step would. That is every family of :mod:`selfattn.families` and this project's GPTs (:func:`unsupported`
 says why a model is not served). Batches of rows without padding only (a padded batch's step is not the kernel's). A
@@ -43,7 +43,7 @@ from torch import Tensor, nn
 
 from selfattn.generation.int8 import Int8Linear
 from selfattn.generation.layout import FEW
-from selfattn.kernels import stream
+from selfattn.kernels import matvec
 from selfattn.kv_cache import KVCache, RollingKVCache
 from selfattn.model import GPT, MLP, GatedMLP, MoE
 from selfattn.norms import RMSNorm
@@ -65,7 +65,7 @@ HANDLED = ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "n_kv_head
 
 def unsupported(model: GPT) -> str | None:
     """Why :class:`KernelStep` cannot run ``model``'s decode steps (None when it can)."""
-    why = stream.failure()
+    why = matvec.failure()
     if why is not None:
         return f"the kernel did not build here ({why})"
     w = model.wte.weight
@@ -88,10 +88,10 @@ def unsupported(model: GPT) -> str | None:
     if len(kinds) > 1:
         return f"its matrices are not of one dtype ({sorted(str(k[1]) for k in kinds)})"
     for m in matrices:
-        if type(m) is Int8Linear and m.kernel != "stream":
+        if type(m) is Int8Linear and m.kernel != "matvec":
             return "an int8 matrix is multiplied by another kernel"
-        if type(m) is not Int8Linear and getattr(m, "one_row", None) != "stream":
-            return (f"its one-row products are not the stream kernel's ({getattr(m, 'one_row', 'nn.Linear')}: "
+        if type(m) is not Int8Linear and getattr(m, "one_row", None) != "matvec":
+            return (f"its one-row products are not the matvec kernel's ({getattr(m, 'one_row', 'nn.Linear')}: "
                     f"decode_layout() takes them wherever the kernel builds)")
         if type(m) is not Int8Linear and (not m.weight.is_contiguous() or m.weight.dtype != w.dtype):
             return f"a matrix is not stored in rows of {w.dtype}"
@@ -186,7 +186,7 @@ def _rope_rule(attn: nn.Module) -> tuple:
 
 class KernelStep:
     """``model``'s decode steps by the kernel (the model must be supported: :func:`unsupported`),
-    of the build ``isa`` (None: :func:`selfattn.kernels.stream.chosen`). The weights are read from
+    of the build ``isa`` (None: :func:`selfattn.kernels.matvec.chosen`). The weights are read from
     the model at the first call with a cache (:meth:`_weights`)."""
 
     def __init__(self, model: GPT, *, isa: str | None = None):
@@ -232,7 +232,7 @@ class KernelStep:
         B, T = idx.shape
         cos, sin = self._angles(past + T)
         layers = [n for c, rope in zip(cache, self.rope_of) for n in _layer(c, rope)]
-        logits = stream.load(self.isa or stream.chosen()).step(
+        logits = matvec.load(self.isa or matvec.chosen()).step(
             idx, past, caches=[t for c in cache for t in (c.k, c.v)], layers=layers, cos=cos, sin=sin,
             **self.weights, **self.shape)
         for c in cache:

@@ -9,20 +9,20 @@ of decoding"). The forms (:data:`PRODUCTS`):
 - ``mv``, ``linear``: ``torch.mv`` and ``F.linear``, PyTorch's BLAS kernels;
 - ``wxt``: ``torch.mm(weight, rows.T).T``, the same product with the matrix as the first operand,
   which sends bfloat16 to another kernel;
-- ``stream``: :mod:`selfattn.kernels.stream`'s C++ kernel, built on first use for this CPU's vectors:
+- ``matvec``: :mod:`selfattn.kernels.matvec`'s C++ kernel, built on first use for this CPU's vectors:
   one pass over the matrix rows for all the input rows, each entry widened to float32 as it streams
   past. The C++ decode kernel (:mod:`selfattn.generation.kernel_step`) runs its products.
 
 Every ``nn.Linear`` becomes a :class:`RowLinear`, which multiplies one row and up to :data:`FEW`
 rows by the chosen forms and more (a prompt) by ``F.linear`` (:func:`many_rows`: in float32 for half
 precision where the device does not multiply it natively, as the tiled backend does). The choice is a rule
-(:func:`rule`: ``stream`` wherever it builds, the form that led the timings and that the decode
+(:func:`rule`: ``matvec`` wherever it builds, the form that led the timings and that the decode
 kernel serves), never a race: a measurement on a busy machine may pick another form each load,
 and with it take the decode kernel away. ``decode_layout(model, measure=True)`` times the forms on
 the model's own matrices instead, for one row and :data:`MEASURED_ROWS` rows.
 
 Storage order. The BLAS forms read float32 matrices fastest in the (in, out) order (GPT-2's Conv1D)
-and half-precision ones in (out, in) rows; ``stream`` reads rows. Every matrix of a dtype (embeddings
+and half-precision ones in (out, in) rows; ``matvec`` reads rows. Every matrix of a dtype (embeddings
 too: a tied head is one) is stored in the order of its one-row form, and a mixture's experts in rows
 (the decode kernel's). Values, shapes and ``state_dict`` are unchanged; the forms round alike up to the
 order of their sums.
@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from selfattn._util import timing as _timing
-from selfattn.kernels import stream
+from selfattn.kernels import matvec
 from selfattn.kernels.features import multiplies_natively
 from selfattn.model import MoE
 
@@ -46,11 +46,11 @@ FEW = 16  # up to this many rows a RowLinear takes its few-row form; more rows F
 MEASURED_ROWS = 8  # the few-row forms are timed at this many rows
 
 
-def _stream(w: Tensor, rows: Tensor) -> Tensor:
-    """The ``stream`` form: :mod:`selfattn.kernels.stream` for the CPU and its dtypes, ``F.linear``
+def _matvec(w: Tensor, rows: Tensor) -> Tensor:
+    """The ``matvec`` form: :mod:`selfattn.kernels.matvec` for the CPU and its dtypes, ``F.linear``
     for the rest (a model cast to float64 or moved after its layout)."""
-    if w.device.type == "cpu" and w.dtype in stream.MATRIX_DTYPES and rows.dtype in stream.ROW_DTYPES:
-        return stream.rows(w, rows)
+    if w.device.type == "cpu" and w.dtype in matvec.MATRIX_DTYPES and rows.dtype in matvec.ROW_DTYPES:
+        return matvec.rows(w, rows)
     return F.linear(rows, w)
 
 
@@ -59,15 +59,15 @@ PRODUCTS: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
     "mv": lambda w, rows: torch.mv(w, rows[0])[None],  # one row only
     "linear": lambda w, rows: F.linear(rows, w),
     "wxt": lambda w, rows: torch.mm(w, rows.t()).t().contiguous(),  # W·xᵀ (out, N), transposed back
-    "stream": _stream,
+    "matvec": _matvec,
 }
-ONE_ROW_FORMS = ("mv", "linear", "wxt", "stream")
-FEW_ROW_FORMS = ("linear", "wxt", "stream")  # the forms that take several rows
+ONE_ROW_FORMS = ("mv", "linear", "wxt", "matvec")
+FEW_ROW_FORMS = ("linear", "wxt", "matvec")  # the forms that take several rows
 
 
 def stored_in_rows(form: str, dtype: torch.dtype) -> bool:
     """Whether ``form`` reads a matrix of ``dtype`` fastest in (out, in) rows, else in (in, out)."""
-    return form == "stream" or dtype in HALF
+    return form == "matvec" or dtype in HALF
 
 
 class RowLinear(nn.Linear):
@@ -100,12 +100,12 @@ def many_rows(x: Tensor, w: Tensor, bias: Tensor | None = None) -> Tensor:
 
 
 def rule(dtype: torch.dtype, device: torch.device) -> str:
-    """The one-row form :func:`decode_layout` takes unless told or asked to measure: ``stream`` on the
+    """The one-row form :func:`decode_layout` takes unless told or asked to measure: ``matvec`` on the
     CPU wherever its kernel builds for ``dtype`` (it is the form the C++ decode kernel serves, and it
     led every float32 and bfloat16 row of the timings in ``docs/benchmarks.md``), else ``torch.mv``.
-    A few rows take ``stream`` too where the matrices are stored in its rows, else ``F.linear``."""
-    if device.type == "cpu" and dtype in stream.MATRIX_DTYPES and stream.failure() is None:
-        return "stream"
+    A few rows take ``matvec`` too where the matrices are stored in its rows, else ``F.linear``."""
+    if device.type == "cpu" and dtype in matvec.MATRIX_DTYPES and matvec.failure() is None:
+        return "matvec"
     return "mv"
 
 
@@ -135,9 +135,9 @@ def decode_layout(model: nn.Module, *, one_row: str | None = None, few_rows: str
             by_rule = rule(dtype, device)
             chosen = one_row or (fastest_one_row(modules, linears) if measure else by_rule)
             _store(modules, in_rows=stored_in_rows(chosen, dtype))
-            candidates = few_row_candidates(chosen, dtype)  # stream among them where it reads these rows
+            candidates = few_row_candidates(chosen, dtype)  # matvec among them where it reads these rows
             few = few_rows or (fastest(linears, MEASURED_ROWS, candidates) if measure
-                               else "stream" if by_rule == "stream" and "stream" in candidates else "linear")
+                               else "matvec" if by_rule == "matvec" and "matvec" in candidates else "linear")
             for module in linears:
                 module.one_row, module.few_rows = chosen, few
         for module in model.modules():
@@ -155,14 +155,14 @@ def is_laid_out(model: nn.Module) -> bool:
 def fastest_one_row(modules: list[nn.Module], linears: list[nn.Linear]) -> str:
     """The one-row form that multiplies every matrix of ``linears`` fastest, each form timed with
     the matrices (all of ``modules``, one dtype and device) stored in its order: the forms that
-    read one order timed together (:func:`timings`), then all compared. ``stream`` is a candidate
+    read one order timed together (:func:`timings`), then all compared. ``matvec`` is a candidate
     where its kernel builds. Off the CPU, ``"mv"``."""
     w = linears[0].weight
     if w.device.type != "cpu":
         return "mv"
     forms = ["mv", "linear", "wxt"]
-    if stream.failure() is None:
-        forms.append("stream")
+    if matvec.failure() is None:
+        forms.append("matvec")
     median = {}  # form -> seconds
     for in_rows in (False, True):
         read_so = tuple(form for form in forms if stored_in_rows(form, w.dtype) == in_rows)
@@ -173,10 +173,10 @@ def fastest_one_row(modules: list[nn.Module], linears: list[nn.Linear]) -> str:
 
 
 def few_row_candidates(one_row: str, dtype: torch.dtype) -> tuple[str, ...]:
-    """The few-row forms measured where ``one_row`` takes one row: the BLAS forms, and ``stream``
+    """The few-row forms measured where ``one_row`` takes one row: the BLAS forms, and ``matvec``
     where the matrices are stored in rows (which it reads) and its kernel builds."""
-    in_rows = stored_in_rows(one_row, dtype) and stream.failure() is None
-    return ("linear", "wxt") + (("stream",) if in_rows else ())
+    in_rows = stored_in_rows(one_row, dtype) and matvec.failure() is None
+    return ("linear", "wxt") + (("matvec",) if in_rows else ())
 
 
 def fastest(linears: list[nn.Linear], rows: int, forms: tuple[str, ...]) -> str:
@@ -193,7 +193,7 @@ def timings(linears: list[nn.Linear], rows: int, forms: tuple[str, ...], repeats
     the median of ``repeats`` passes over them all, the forms interleaved in rotating order,
     after one untimed pass each (kernels set up, matrices paged in)."""
     w = linears[0].weight
-    g = torch.Generator().manual_seed(0)  # the global random stream stays the caller's
+    g = torch.Generator().manual_seed(0)  # the global generator stays the caller's
     inputs = {m.in_features: torch.randn(rows, m.in_features, dtype=w.dtype, generator=g)
               for m in linears}  # (rows, in)
     return _timing.medians_of({form: functools.partial(_pass, form, linears, inputs) for form in forms}, repeats)
@@ -225,8 +225,8 @@ def _store_experts(moe: MoE) -> None:
 
 def _failure(form: str) -> str | None:
     """Why ``form`` cannot run here (None when it can)."""
-    if form == "stream":
-        why = stream.failure()
+    if form == "matvec":
+        why = matvec.failure()
         return why and f"its kernel did not build here ({why})"
     return None
 

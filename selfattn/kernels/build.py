@@ -1,11 +1,11 @@
 """The C++ kernels compiled on first use, for the widest instruction set the CPU runs.
 
-``stream.cpp`` and ``decode.cpp`` (with their shared header ``stream.h``) are compiled together into
+``matvec.cpp`` and ``decode.cpp`` (with their shared header ``matvec.h``) are compiled together into
 one shared library with the machine's compiler (``$CXX`` or ``c++``; torch.compile needs one on the
 CPU too), for an instruction set of :data:`~selfattn.kernels.features.FLAGS`, and kept in
 :func:`selfattn._util.files.cache_dir` named by a hash of the sources, the flags and the torch version:
 a later process (or a test worker) finds it there. A build that fails raises one line saying why;
-:func:`selfattn.kernels.stream.failure` turns that into the reason its callers keep PyTorch's
+:func:`selfattn.kernels.matvec.failure` turns that into the reason its callers keep PyTorch's
 kernels.
 """
 from __future__ import annotations
@@ -22,16 +22,16 @@ from selfattn._util import files as _files
 from selfattn.kernels.features import FLAGS
 
 HERE = Path(__file__).parent
-SOURCES = (HERE / "stream.cpp", HERE / "decode.cpp")  # one library: the ops of both register in one namespace
-HEADERS = (HERE / "stream.h",)
-# OpenMP: ATen's parallel_for; no contraction: the kernels fuse where they mean to (stream.h says why)
+SOURCES = (HERE / "matvec.cpp", HERE / "decode.cpp")  # one library: the ops of both register in one namespace
+HEADERS = (HERE / "matvec.h",)
+# OpenMP: ATen's parallel_for; no contraction: the kernels fuse where they mean to (matvec.h says why)
 COMMON = ("-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=off")
 TIMEOUT = 300  # seconds a build may take before it counts as failed
 
 
 def namespace(isa: str) -> str:
     """The operators' namespace in ``torch.ops`` for the build of ``isa``."""
-    return f"selfattn_stream_{isa}"
+    return f"selfattn_matvec_{isa}"
 
 
 def command(isa: str, output: Path) -> list[str]:
@@ -52,7 +52,7 @@ def library(isa: str) -> Path:
         raise ValueError(f"isa must be one of {', '.join(map(repr, FLAGS))}, got {isa!r}")
     sources = b"".join(p.read_bytes() for p in (*SOURCES, *HEADERS))
     key = hashlib.sha256(sources + " ".join(command(isa, Path("OUT"))).encode() + torch.__version__.encode())
-    built = _files.cache_dir() / "kernels" / f"stream_kernel-{isa}-{key.hexdigest()[:16]}.so"
+    built = _files.cache_dir() / "kernels" / f"matvec-{isa}-{key.hexdigest()[:16]}.so"
     if built.exists():
         return built
     built.parent.mkdir(parents=True, exist_ok=True)

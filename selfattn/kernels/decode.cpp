@@ -1,7 +1,7 @@
 // One decode step of a decoder (Llama's blocks, GPT-2's, Gemma's and the families between), as one call: the
 // embedding, every block and the head in one parallel region of the machine's threads, which meet at a barrier
 // between the operations where each needs all of the one before (selfattn/generation/kernel_step.py says which
-// models, and why). The products are stream.h's products_of, the attention its attend_tasks and merge_runs.
+// models, and why). The products are matvec.h's products_of, the attention its attend_tasks and merge_runs.
 //
 //   step(tokens (B, T), past, wte (V, C), wpe, norms, norm_biases, qk_norms, matrices, biases, scales, caches, layers,
 //        cos, sin, alibi, sinks, routers, router_biases, n_head, scale, softcap, logit_softcap, embedding_scale, norm,
@@ -37,7 +37,7 @@
 
 #include <numeric>
 
-#include "stream.h"
+#include "matvec.h"
 
 namespace {
 

@@ -1,11 +1,11 @@
 // Decoding's kernels, each streaming its operand from memory once: a few rows times a matrix (rows),
-// and a few queries per head over the KV cache (attend); their loops are stream.h's.
-// (selfattn/kernels/stream.py says why they exist; selfattn/kernels/build.py builds this file with decode.cpp.)
+// and a few queries per head over the KV cache (attend); their loops are matvec.h's.
+// (selfattn/kernels/matvec.py says why they exist; selfattn/kernels/build.py builds this file with decode.cpp.)
 //
 //   rows(w (out, in), x (N, in), scale (out,) or None) -> (N, out) in x's dtype
 //   y[n, o] = sum_k w[o, k] * x[n, k]  (times scale[o] when given)
 
-#include "stream.h"
+#include "matvec.h"
 
 namespace {
 
@@ -21,15 +21,15 @@ void products_into(const W* w, const X* x, const float* scale, at::Tensor& y, in
     case at::kFloat: return products(w, x, scale, y.data_ptr<float>(), n, out, in);
     case at::kBFloat16: return products(w, x, scale, y.data_ptr<c10::BFloat16>(), n, out, in);
     case at::kHalf: return products(w, x, scale, y.data_ptr<c10::Half>(), n, out, in);
-    default: TORCH_CHECK(false, "stream_kernel.rows: rows of ", y.scalar_type(), " (float32, bfloat16 or float16)");
+    default: TORCH_CHECK(false, "matvec.rows: rows of ", y.scalar_type(), " (float32, bfloat16 or float16)");
   }
 }
 
 at::Tensor rows(const at::Tensor& w_, const at::Tensor& x_, const std::optional<at::Tensor>& scale_) {
-  TORCH_CHECK(w_.dim() == 2 && x_.dim() == 2 && w_.size(1) == x_.size(1), "stream_kernel.rows: w (out, in) and x (N, in), got ",
+  TORCH_CHECK(w_.dim() == 2 && x_.dim() == 2 && w_.size(1) == x_.size(1), "matvec.rows: w (out, in) and x (N, in), got ",
               w_.sizes(), " and ", x_.sizes());
-  TORCH_CHECK(w_.device().is_cpu() && x_.device().is_cpu(), "stream_kernel.rows: CPU tensors only");
-  TORCH_CHECK((w_.scalar_type() == at::kChar) == scale_.has_value(), "stream_kernel.rows: int8 w takes a scale, others none");
+  TORCH_CHECK(w_.device().is_cpu() && x_.device().is_cpu(), "matvec.rows: CPU tensors only");
+  TORCH_CHECK((w_.scalar_type() == at::kChar) == scale_.has_value(), "matvec.rows: int8 w takes a scale, others none");
 #if defined(__AVX512BF16__)
   const bool bf16_pairs = w_.scalar_type() == at::kBFloat16 && x_.scalar_type() == at::kBFloat16;  // dot's pairs
 #else
@@ -40,7 +40,7 @@ at::Tensor rows(const at::Tensor& w_, const at::Tensor& x_, const std::optional<
   at::Tensor scale;
   if (scale_) {
     scale = scale_->contiguous().to(at::kFloat);
-    TORCH_CHECK(scale.dim() == 1 && scale.size(0) == out, "stream_kernel.rows: scale (out,), got ", scale.sizes());
+    TORCH_CHECK(scale.dim() == 1 && scale.size(0) == out, "matvec.rows: scale (out,), got ", scale.sizes());
   }
   at::Tensor y = at::empty({n, out}, x_.options());
 #if defined(__AVX512BF16__)
@@ -56,7 +56,7 @@ at::Tensor rows(const at::Tensor& w_, const at::Tensor& x_, const std::optional<
     case at::kBFloat16: products_into(w.data_ptr<c10::BFloat16>(), xp, sp, y, n, out, in); break;
     case at::kHalf: products_into(w.data_ptr<c10::Half>(), xp, sp, y, n, out, in); break;
     case at::kChar: products_into(w.data_ptr<int8_t>(), xp, sp, y, n, out, in); break;
-    default: TORCH_CHECK(false, "stream_kernel.rows: a matrix of ", w.scalar_type(), " (float32, bfloat16, float16 or int8)");
+    default: TORCH_CHECK(false, "matvec.rows: a matrix of ", w.scalar_type(), " (float32, bfloat16, float16 or int8)");
   }
   return y;
 }
@@ -84,7 +84,7 @@ void attend_into(const at::Tensor& qf, const at::Tensor& k, const at::Tensor& v,
     case at::kFloat: return attend_all<T>(qf, k, v, scale, out.data_ptr<float>());
     case at::kBFloat16: return attend_all<T>(qf, k, v, scale, out.data_ptr<c10::BFloat16>());
     case at::kHalf: return attend_all<T>(qf, k, v, scale, out.data_ptr<c10::Half>());
-    default: TORCH_CHECK(false, "stream_kernel.attend: a query of ", out.scalar_type(), " (float32, bfloat16 or float16)");
+    default: TORCH_CHECK(false, "matvec.attend: a query of ", out.scalar_type(), " (float32, bfloat16 or float16)");
   }
 }
 
@@ -92,10 +92,10 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k_, const at::Tensor& v
   TORCH_CHECK(q.dim() == 4 && k_.dim() == 4 && v_.sizes() == k_.sizes() && q.size(0) == k_.size(0) &&
                   q.size(3) == k_.size(3) && k_.size(1) > 0 && q.size(1) % k_.size(1) == 0 && q.size(2) > 0 &&
                   q.size(2) <= k_.size(2),
-              "stream_kernel.attend: q (B, H, T, D), k and v (B, Hkv, S, D) with 0 < T <= S and H a multiple of Hkv, got ",
+              "matvec.attend: q (B, H, T, D), k and v (B, Hkv, S, D) with 0 < T <= S and H a multiple of Hkv, got ",
               q.sizes(), ", ", k_.sizes(), " and ", v_.sizes());
-  TORCH_CHECK(q.device().is_cpu() && k_.device().is_cpu() && v_.device().is_cpu(), "stream_kernel.attend: CPU tensors only");
-  TORCH_CHECK(k_.scalar_type() == v_.scalar_type(), "stream_kernel.attend: k and v of one dtype, got ", k_.scalar_type(),
+  TORCH_CHECK(q.device().is_cpu() && k_.device().is_cpu() && v_.device().is_cpu(), "matvec.attend: CPU tensors only");
+  TORCH_CHECK(k_.scalar_type() == v_.scalar_type(), "matvec.attend: k and v of one dtype, got ", k_.scalar_type(),
               " and ", v_.scalar_type());
   const at::Tensor k = k_.stride(3) == 1 ? k_ : k_.contiguous(), v = v_.stride(3) == 1 ? v_ : v_.contiguous();
   const at::Tensor qf = q.to(at::kFloat).contiguous();  // (B, H, T, D): the queries widened once
@@ -104,7 +104,7 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k_, const at::Tensor& v
     case at::kFloat: attend_into<float>(qf, k, v, static_cast<float>(scale), out); break;
     case at::kBFloat16: attend_into<c10::BFloat16>(qf, k, v, static_cast<float>(scale), out); break;
     case at::kHalf: attend_into<c10::Half>(qf, k, v, static_cast<float>(scale), out); break;
-    default: TORCH_CHECK(false, "stream_kernel.attend: a cache of ", k.scalar_type(), " (float32, bfloat16 or float16)");
+    default: TORCH_CHECK(false, "matvec.attend: a cache of ", k.scalar_type(), " (float32, bfloat16 or float16)");
   }
   return out;
 }

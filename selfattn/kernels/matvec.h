@@ -1,4 +1,4 @@
-// The vector helpers and the loops that stream.cpp (rows, attend) and decode.cpp (step) share: a few
+// The vector helpers and the loops that matvec.cpp (rows, attend) and decode.cpp (step) share: a few
 // rows times a matrix streamed once (products_of), and causal queries over runs of the KV cache
 // (attend_tasks, merge_runs). Everything here is a template or inline, in an anonymous namespace: each
 // translation unit that includes it has its own copy, built for the instruction set of the library.
@@ -222,7 +222,7 @@ inline void block(const W* w, const X* x, int64_t in, float* sums, int rows) {
 // Several rows make the products compute-bound, and the matrix must then be fetched while they compute:
 // the core's out-of-order window, which keeps enough of one row's loads from memory in flight, fills
 // with multiply-adds. So a group of GROUP_BYTES of matrix rows, held in L1 while every block of rows
-// passes over it, asks L2 for the next group's as the first block passes (selfattn/kernels/stream.py has
+// passes over it, asks L2 for the next group's as the first block passes (selfattn/kernels/matvec.py has
 // what it gained).
 constexpr int64_t GROUP_BYTES = 16 << 10;
 

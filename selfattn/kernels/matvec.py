@@ -1,5 +1,6 @@
-"""C++ kernels for decoding, each streaming its operand from memory once: a few rows times a
-matrix (:func:`rows`), and a few causal queries per head over the KV cache (:func:`attend`).
+"""C++ kernels for decoding's matrix-vector products, each reading its operand from memory once: a
+few rows times a matrix (:func:`rows`), and a few causal queries per head over the KV cache
+(:func:`attend`: scores, then weights times values, two matrix-vector products per query row).
 
 Decoding one token multiplies one row (or a few: a batch, a speculative verification) by every
 weight matrix, so a step lasts as long as the matrices take to stream from memory through the
@@ -12,7 +13,7 @@ With several rows, the next group of matrix rows is fetched while the rows compu
 
 The vectors are 256 bits wide in every build for a CPU with AVX2, the AVX-512 ones too: 512-bit
 vectors streamed the matrices slower from memory, though they were faster on a matrix the caches
-held (``stream.h`` says more).
+held (``matvec.h`` says more).
 
 A decoded token's attention reads the cache once too, and so does a speculative verification's (a
 few causal queries at the end of the keys): :func:`attend` splits the keys into fixed runs, each
@@ -23,12 +24,12 @@ the build is an AVX2 or AVX-512 one, :func:`attends`).
 The library is built on first use (:mod:`selfattn.kernels.build`) for the widest instruction set the
 CPU runs and the compiler builds (:func:`chosen`); :func:`failure` says why it cannot be used (no
 compiler, a compile error), and the callers then keep PyTorch's kernels. The operators are
-``torch.ops.selfattn_stream_<set>.rows``, ``.attend`` and ``.step`` (a decoder's whole decode
+``torch.ops.selfattn_matvec_<set>.rows``, ``.attend`` and ``.step`` (a decoder's whole decode
 step, :mod:`selfattn.generation.kernel_step`): ``torch.compile`` calls them as they are,
 within one graph.
 
 A row's sums take the same order whatever rows come with it, so its result has the same bits
-alone or among others (``stream.h`` says how).
+alone or among others (``matvec.h`` says how).
 """
 from __future__ import annotations
 
@@ -103,7 +104,7 @@ def attends() -> bool:
     return failure() is None and chosen() in ATTENDS
 
 
-_loaded: dict[str, Any] = {}  # isa -> its operators (torch.ops.selfattn_stream_<isa>), once loaded
+_loaded: dict[str, Any] = {}  # isa -> its operators (torch.ops.selfattn_matvec_<isa>), once loaded
 
 
 def load(isa: str) -> Any:

@@ -12,8 +12,8 @@ once for all rows; each row's attention sublayer runs alone on its own cache (:c
 
 Why a row computes the bits it would alone. Its attention sublayer is the batch-1 call of the solo
 decode, on the same keys. Everything else works row by row: elementwise ops, norms over a row, and
-the products of :func:`~selfattn.generation.layout.decode_layout`'s ``stream`` form, whose sums take
-the same order whatever rows come with it (:mod:`selfattn.kernels.stream`) for up to
+the products of :func:`~selfattn.generation.layout.decode_layout`'s ``matvec`` form, whose sums take
+the same order whatever rows come with it (:mod:`selfattn.kernels.matvec`) for up to
 :data:`~selfattn.generation.layout.FEW` rows. So a greedy row yields token for token what
 ``generate(model, prompt, n, temperature=0)`` yields on the same laid-out model, whatever runs
 beside it, wherever the products take that form (the CPU, the kernel built: :func:`rows_keep_their_bits`).
@@ -108,7 +108,7 @@ def rows_keep_their_bits(model: GPT) -> bool:
     """Whether a row of :func:`decode_step` computes the bits it would alone (see the module
     docstring): every product in a form whose rows keep their bits, and no expert products."""
     linears = [m for m in model.modules() if isinstance(m, RowLinear)]
-    return (bool(linears) and all(m.one_row == m.few_rows == "stream" and m.weight.device.type == "cpu"
+    return (bool(linears) and all(m.one_row == m.few_rows == "matvec" and m.weight.device.type == "cpu"
                                   for m in linears) and not any(isinstance(m, MoE) for m in model.modules()))
 
 

@@ -1,4 +1,4 @@
-"""The sdpa backend's decoded token and few causal queries on the CPU: the stream kernel where it
+"""The sdpa backend's decoded token and few causal queries on the CPU: the matvec kernel where it
 builds; where it does not, a half-precision decoded token in float32 where this CPU measured it faster."""
 import time
 
@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from selfattn import attention
 from selfattn.backends import sdpa
 from selfattn.generation import compile_decode, decode_layout, generate
-from selfattn.kernels import features, stream
+from selfattn.kernels import features, matvec
 from tests.helpers.models import scrambled, small
 
 
@@ -20,16 +20,16 @@ def _decoded_token(dtype, keys=40):
 @pytest.fixture
 def no_kernel(monkeypatch):
     """A machine where the one-query kernel does not serve (no compiler, no AVX2)."""
-    monkeypatch.setattr(stream, "attends", lambda: False)
+    monkeypatch.setattr(matvec, "attends", lambda: False)
 
 
 @pytest.fixture
 def kernel_calls(monkeypatch) -> list:
     """The dtypes of the queries the kernel attends, as it is called; the kernel serving whatever
-    build this CPU runs (the baseline one too, which serves only in tests: see stream.ATTENDS)."""
-    monkeypatch.setattr(stream, "attends", lambda: True)
-    calls, attend = [], stream.attend
-    monkeypatch.setattr(stream, "attend", lambda q, *args, **kw: calls.append(q.dtype) or attend(q, *args, **kw))
+    build this CPU runs (the baseline one too, which serves only in tests: see matvec.ATTENDS)."""
+    monkeypatch.setattr(matvec, "attends", lambda: True)
+    calls, attend = [], matvec.attend
+    monkeypatch.setattr(matvec, "attend", lambda q, *args, **kw: calls.append(q.dtype) or attend(q, *args, **kw))
     return calls
 
 
@@ -76,11 +76,11 @@ def test_only_few_plain_causal_queries_without_a_gradient_or_dropout_attend_in_t
 
 @pytest.mark.parametrize("isa", list(features.FLAGS))
 def test_the_kernel_serves_where_its_build_was_measured_faster(monkeypatch, isa):
-    monkeypatch.setattr(stream, "_chosen", [isa])  # the build a CPU would run
-    monkeypatch.setattr(stream, "failure", lambda isa=None: None)  # and it builds
-    assert stream.attends() == (isa != "baseline")  # the baseline's float32: slower than SDPA
-    monkeypatch.setattr(stream, "failure", lambda isa=None: "no compiler")  # control: nothing builds
-    assert not stream.attends()
+    monkeypatch.setattr(matvec, "_chosen", [isa])  # the build a CPU would run
+    monkeypatch.setattr(matvec, "failure", lambda isa=None: None)  # and it builds
+    assert matvec.attends() == (isa != "baseline")  # the baseline's float32: slower than SDPA
+    monkeypatch.setattr(matvec, "failure", lambda isa=None: "no compiler")  # control: nothing builds
+    assert not matvec.attends()
 
 
 def test_a_compiled_decode_step_attends_in_the_kernel_within_its_graph(kernel_calls):

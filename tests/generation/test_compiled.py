@@ -12,7 +12,7 @@ from selfattn.generation.int8 import quantize_int8
 from selfattn.generation.sampling import next_token
 from selfattn.generation.speculative import Speculative
 from selfattn.generation.steps import Steps, steps_of
-from selfattn.kernels import stream
+from selfattn.kernels import matvec
 from selfattn.model import GPT
 from tests.helpers.models import assert_same_logits, left_pad, scrambled, small
 
@@ -114,11 +114,11 @@ def test_padded_rows_and_eos_decode_as_eager():
     assert torch.equal(runs[1], runs[0]) and (runs[0] == eos).any()
 
 
-@pytest.mark.parametrize("kernel", ["stream", "int8pack"])
+@pytest.mark.parametrize("kernel", ["matvec", "int8pack"])
 def test_int8_weights_decode_compiled(monkeypatch, kernel):
     eager, compiled = twins(seed=5, **LLAMA)
-    if kernel == "int8pack":  # a machine where the stream kernel does not build
-        monkeypatch.setattr(stream, "failure", lambda isa=None: "no C++ compiler found")
+    if kernel == "int8pack":  # a machine where the matvec kernel does not build
+        monkeypatch.setattr(matvec, "failure", lambda isa=None: "no C++ compiler found")
     quantize_int8(eager), quantize_int8(compiled)
     assert {m.kernel for m in compiled.modules() if hasattr(m, "kernel")} == {kernel}
     compile_decode(compiled)  # the int8 products compile too (int8pack's scales are a buffer)
@@ -171,11 +171,11 @@ def test_speculative_decoding_compiled_gives_the_eager_tokens_and_rounds():
 
 def test_several_rows_of_the_stream_form_run_its_kernel_in_a_compiled_forward(monkeypatch):
     torch.manual_seed(9)
-    eager = decode_layout(scrambled(small(**LLAMA)), one_row="stream", few_rows="stream")
+    eager = decode_layout(scrambled(small(**LLAMA)), one_row="matvec", few_rows="matvec")
     compiled = compile_decode(copy.deepcopy(eager))
     rows = []
-    kernel = stream.rows
-    monkeypatch.setattr(stream, "rows", lambda w, x, scale=None: rows.append(len(x)) or kernel(w, x, scale))
+    kernel = matvec.rows
+    monkeypatch.setattr(matvec, "rows", lambda w, x, scale=None: rows.append(len(x)) or kernel(w, x, scale))
     idx = torch.randint(61, (1, 9), generator=torch.Generator().manual_seed(9))
     with torch.inference_mode():
         out = {}
@@ -191,7 +191,7 @@ def test_several_rows_of_the_stream_form_run_its_kernel_in_a_compiled_forward(mo
 
 def test_a_sliding_window_layer_is_refused_where_the_kernel_cannot_run_it(monkeypatch):
     """No graph follows a rolling cache: without the decode kernel there is nothing to compile."""
-    monkeypatch.setattr(stream, "failure", lambda isa=None: "no C++ compiler found")
+    monkeypatch.setattr(matvec, "failure", lambda isa=None: "no C++ compiler found")
     with pytest.raises(ValueError, match="layer 0 slides over a window of 4 keys: .*, and the decode kernel cannot "
                                          "run it either .*no C\\+\\+ compiler found"):
         compile_decode(GPT(small(window=4)))

@@ -10,7 +10,7 @@ from torch import nn
 from selfattn.generation import decode_layout, generate, layout
 from selfattn.generation.layout import FEW, RowLinear
 from selfattn.generation.sampling import greedy, next_token, top_k_filter, top_p_filter
-from selfattn.kernels import stream
+from selfattn.kernels import matvec
 from selfattn.kv_cache import KVCache, RollingKVCache
 
 from helpers.models import BACKENDS, PAIRS, VARIANTS, assert_same_logits, left_pad, scrambled, small
@@ -123,9 +123,9 @@ def test_new_cache_and_bad_caches():
 def test_greedy_generation_equals_recomputing_the_prefix(variant, backend):
     model = scrambled(small(backend=backend, **VARIANTS[variant]))
     idx = torch.randint(0, 61, (2, 5))
-    stream = generate(model, idx, 8, temperature=0)
-    assert iter(stream) is stream  # a lazy iterator: tokens arrive one step at a time
-    tokens = list(stream)
+    steps = generate(model, idx, 8, temperature=0)
+    assert iter(steps) is steps  # a lazy iterator: tokens arrive one step at a time
+    tokens = list(steps)
     assert len(tokens) == 8 and all(t.shape == (2,) and t.dtype == torch.long for t in tokens)
     seq = idx
     with torch.no_grad():
@@ -235,7 +235,7 @@ def test_eos_finishes_rows_and_the_stream():
     assert torch.equal(got[1], free[1])  # the other row is unaffected
     stop, eos = first_new(run(idx[:1])[0], [])
     alone = run(idx[:1], eos_token=eos)
-    assert alone.shape == (1, stop + 1) and alone[0, -1] == eos  # every row finished: the stream ended
+    assert alone.shape == (1, stop + 1) and alone[0, -1] == eos  # every row finished: the generator ended
 
 
 def test_generate_runs_in_inference_mode_and_max_new_tokens_zero():
@@ -282,20 +282,20 @@ def test_decode_layout_changes_strides_only():
     assert model.blocks[0].mlp.c_fc.weight.stride() == (1, 128)
 
 
-def test_decode_layout_takes_the_stream_kernel_by_rule_wherever_it_builds(monkeypatch):
+def test_decode_layout_takes_the_matvec_kernel_by_rule_wherever_it_builds(monkeypatch):
     model = decode_layout(scrambled(small()))
     linears = [m for m in model.modules() if isinstance(m, RowLinear)]
-    if stream.failure() is None:  # no race: the same forms whatever the machine is doing
-        assert {(m.one_row, m.few_rows) for m in linears} == {("stream", "stream")}
+    if matvec.failure() is None:  # no race: the same forms whatever the machine is doing
+        assert {(m.one_row, m.few_rows) for m in linears} == {("matvec", "matvec")}
         assert all(m.weight.is_contiguous() for m in linears)  # rows, which the kernel streams
-    monkeypatch.setattr(stream, "failure", lambda isa=None: "no C++ compiler found")
+    monkeypatch.setattr(matvec, "failure", lambda isa=None: "no C++ compiler found")
     decode_layout(model)  # control: where it does not build, PyTorch's forms
     assert {(m.one_row, m.few_rows) for m in linears} == {("mv", "linear")}
     assert all(m.weight.t().is_contiguous() for m in linears)  # float32: (in, out), as mv reads it fastest
 
 
-@pytest.mark.parametrize("forms", [("mv", "linear"), ("linear", "wxt"), ("wxt", "wxt"), ("stream", "linear"),
-                                   ("stream", "wxt"), ("stream", "stream"), (None, None)])
+@pytest.mark.parametrize("forms", [("mv", "linear"), ("linear", "wxt"), ("wxt", "wxt"), ("matvec", "linear"),
+                                   ("matvec", "wxt"), ("matvec", "matvec"), (None, None)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decode_layout_computes_the_same_whatever_products_it_takes(dtype, forms):
     model = scrambled(small(**VARIANTS["llama-shaped"])).to(dtype)
@@ -309,7 +309,7 @@ def test_decode_layout_computes_the_same_whatever_products_it_takes(dtype, forms
     assert all(m.one_row == (one_row or linears[0].one_row) and m.few_rows == (few_rows or linears[0].few_rows)
                for m in linears)  # one choice per dtype
     w = model.blocks[0].attn.qkv.weight
-    in_rows = dtype != torch.float32 or linears[0].one_row == "stream"  # BLAS forms read float32 in (in, out)
+    in_rows = dtype != torch.float32 or linears[0].one_row == "matvec"  # BLAS forms read float32 in (in, out)
     assert w.is_contiguous() if in_rows else w.t().is_contiguous()
     tol = 1e-5 if dtype == torch.float32 else 3e-2 * logits.abs().max().item()
     torch.testing.assert_close(model(idx)[0], logits, rtol=0, atol=tol)  # 18 rows: F.linear
@@ -369,29 +369,29 @@ def slowed(form):
     return lambda w, rows: time.sleep(2e-3) or product(w, rows)
 
 
-def test_decode_layout_measures_the_stream_kernel_with_the_matrices_in_rows(monkeypatch):
+def test_decode_layout_measures_the_matvec_kernel_with_the_matrices_in_rows(monkeypatch):
     model = scrambled(small())
     matrices = lambda: [m.weight for m in model.modules() if isinstance(m, (nn.Linear, nn.Embedding))]
     for form in ("mv", "linear", "wxt"):
         monkeypatch.setitem(layout.PRODUCTS, form, slowed(form))
     decode_layout(model, measure=True)
-    assert (model.lm_head.one_row, model.lm_head.few_rows) == ("stream", "stream")
+    assert (model.lm_head.one_row, model.lm_head.few_rows) == ("matvec", "matvec")
     assert all(w.is_contiguous() for w in matrices())  # rows, embeddings too: the kernel streams rows
-    monkeypatch.setitem(layout.PRODUCTS, "stream", slowed("stream"))
+    monkeypatch.setitem(layout.PRODUCTS, "matvec", slowed("matvec"))
     monkeypatch.setitem(layout.PRODUCTS, "mv", lambda w, rows: torch.mv(w, rows[0])[None])
     decode_layout(model, measure=True)  # control: mv measured fastest, the float32 matrices back in (in, out) order
     assert model.lm_head.one_row == "mv" and all(w.t().is_contiguous() for w in matrices())
-    assert model.lm_head.few_rows != "stream"  # it reads rows, which mv leaves in (in, out)
-    monkeypatch.setattr(stream, "failure", lambda isa=None: "no C++ compiler found")
+    assert model.lm_head.few_rows != "matvec"  # it reads rows, which mv leaves in (in, out)
+    monkeypatch.setattr(matvec, "failure", lambda isa=None: "no C++ compiler found")
     decode_layout(model, measure=True)  # control: a machine where the kernel does not build keeps PyTorch's forms
     assert model.lm_head.one_row in ("mv", "linear", "wxt") and model.lm_head.few_rows in ("linear", "wxt")
-    with pytest.raises(ValueError, match=re.escape("few_rows='stream' cannot run: its kernel did not build here "
+    with pytest.raises(ValueError, match=re.escape("few_rows='matvec' cannot run: its kernel did not build here "
                                                    "(no C++ compiler found); name another form")):
-        decode_layout(model, few_rows="stream")
+        decode_layout(model, few_rows="matvec")
 
 
 def test_the_stream_form_multiplies_what_its_kernel_does_not_take_by_f_linear():
-    model = decode_layout(scrambled(small()), one_row="stream", few_rows="stream")
+    model = decode_layout(scrambled(small()), one_row="matvec", few_rows="matvec")
     idx = torch.randint(0, 61, (1, 6))
     logits = model(idx)[0]
     model.double()  # float64 after the layout: no kernel for it
@@ -402,19 +402,19 @@ def test_the_stream_form_multiplies_what_its_kernel_does_not_take_by_f_linear():
 def test_decode_layout_measures_the_fastest_form(monkeypatch):
 
     model = scrambled(small())
-    for form in ("mv", "linear", "stream"):
+    for form in ("mv", "linear", "matvec"):
         monkeypatch.setitem(layout.PRODUCTS, form, slowed(form))
     decode_layout(model, measure=True)
     assert (model.lm_head.one_row, model.lm_head.few_rows) == ("wxt", "wxt")
     monkeypatch.undo()
-    for form in ("wxt", "mv", "stream"):
+    for form in ("wxt", "mv", "matvec"):
         monkeypatch.setitem(layout.PRODUCTS, form, slowed(form))
     decode_layout(model, measure=True)  # control: the measurement follows the times
     assert (model.lm_head.one_row, model.lm_head.few_rows) == ("linear", "linear")
 
 
-@pytest.mark.parametrize("kw, words", [(dict(one_row="gemv"), "one_row must be one of 'mv', 'linear', 'wxt', 'stream'"),
-                                       (dict(few_rows="mv"), "few_rows must be one of 'linear', 'wxt', 'stream' or None"
+@pytest.mark.parametrize("kw, words", [(dict(one_row="gemv"), "one_row must be one of 'mv', 'linear', 'wxt', 'matvec'"),
+                                       (dict(few_rows="mv"), "few_rows must be one of 'linear', 'wxt', 'matvec' or None"
                                                              " (measured), got 'mv'")])
 def test_decode_layout_names_a_product_it_does_not_know(kw, words):
     with pytest.raises(ValueError, match=re.escape(words)):

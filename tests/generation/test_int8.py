@@ -7,19 +7,19 @@ from torch import nn
 
 from selfattn.generation import generate
 from selfattn.generation.int8 import KERNEL_ROWS, Int8Linear, quantize_int8
-from selfattn.kernels import stream
+from selfattn.kernels import matvec
 
 from helpers.models import VARIANTS, scrambled, small
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 @pytest.mark.parametrize("rows", [3, KERNEL_ROWS + 1])  # a kernel, then the dequantised weight
-@pytest.mark.parametrize("kernel", ["stream", "int8pack"])
+@pytest.mark.parametrize("kernel", ["matvec", "int8pack"])
 def test_an_int8_linear_computes_its_dequantised_weight_within_the_rounding_bound(monkeypatch, dtype, rows, kernel):
     torch.manual_seed(0)
     linear = nn.Linear(64, 48).to(dtype)
-    if kernel == "int8pack":  # a machine where the stream kernel does not build
-        monkeypatch.setattr(stream, "failure", lambda isa=None: "no C++ compiler found")
+    if kernel == "int8pack":  # a machine where the matvec kernel does not build
+        monkeypatch.setattr(matvec, "failure", lambda isa=None: "no C++ compiler found")
     q = Int8Linear(linear)
     assert q.kernel == kernel
     assert q.q.dtype == torch.int8 and q.q.abs().max() <= 127 and q.scale.shape == (48,)
@@ -37,10 +37,10 @@ def test_an_int8_linear_computes_its_dequantised_weight_within_the_rounding_boun
         assert not torch.allclose(y.double(), expected, atol=1e-6 * expected.abs().max().item(), rtol=0)
 
 
-def test_an_int8_linear_takes_the_stream_kernel_where_it_builds(monkeypatch):
+def test_an_int8_linear_takes_the_matvec_kernel_where_it_builds(monkeypatch):
     linear = nn.Linear(64, 48)
-    assert Int8Linear(linear).kernel == "stream"
-    monkeypatch.setattr(stream, "failure", lambda isa=None: "no C++ compiler found")
+    assert Int8Linear(linear).kernel == "matvec"
+    monkeypatch.setattr(matvec, "failure", lambda isa=None: "no C++ compiler found")
     assert Int8Linear(linear).kernel == "int8pack"  # control: PyTorch's kernel where it does not
 
 

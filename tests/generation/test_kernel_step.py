@@ -17,7 +17,7 @@ from selfattn.generation.kernel_step import KernelStep, unsupported
 from selfattn.generation.layout import FEW, RowLinear
 from selfattn.generation.speculative import Speculative
 from selfattn.generation.steps import Steps
-from selfattn.kernels import features, stream
+from selfattn.kernels import features, matvec
 from selfattn.model import GPT
 from tests.helpers.models import assert_same_logits, left_pad, scrambled, small
 
@@ -53,12 +53,12 @@ VARIANTS = {
                         "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}},
 }
 EXPERTS = VARIANTS["gpt-oss"] | {"window": None, "window_layers": None}  # (a windowed model has no graphs)
-BUILDS = [isa for isa in features.instruction_sets() if stream.failure(isa) is None]
+BUILDS = [isa for isa in features.instruction_sets() if matvec.failure(isa) is None]
 
 
 def llama(seed: int = 0, **config) -> GPT:
     torch.manual_seed(seed)
-    return decode_layout(scrambled(small(**(LLAMA | config))), one_row="stream", few_rows="stream")
+    return decode_layout(scrambled(small(**(LLAMA | config))), one_row="matvec", few_rows="matvec")
 
 
 def steps(model: GPT, step, idx, prompt: int, n: int, rollback: int = 0):
@@ -140,7 +140,7 @@ def test_half_precision_steps_round_no_worse_than_eager(isa, dtype, variant):
     """Each rounding held against the float32 model: the kernel's error at most twice eager's plus 2%
     of the logits' range (the rule of the low-precision tests)."""
     reference = llama(2, **VARIANTS[variant])
-    model = decode_layout(llama(2, **VARIANTS[variant]).to(dtype), one_row="stream", few_rows="stream")
+    model = decode_layout(llama(2, **VARIANTS[variant]).to(dtype), one_row="matvec", few_rows="matvec")
     idx = torch.randint(61, (1, 40), generator=torch.Generator().manual_seed(2))
     exact, _ = steps(reference, eager_step(reference), idx, 30, 10)
     ours, _ = steps(model, KernelStep(model, isa=isa), idx, 30, 10)
@@ -150,11 +150,11 @@ def test_half_precision_steps_round_no_worse_than_eager(isa, dtype, variant):
 
 
 @pytest.mark.parametrize("variant", ["gqa", "gpt2", "gemma3"])
-@pytest.mark.parametrize("layout", ["stream", "linear"])
+@pytest.mark.parametrize("layout", ["matvec", "linear"])
 def test_int8_weights_step_as_the_quantised_model(variant, layout):
     """Quantised after a layout for another one-row form too, which stores the embedding in columns."""
     model = quantize_int8(decode_layout(llama(3, **VARIANTS[variant]), one_row=layout, few_rows=layout))
-    assert layout == "stream" or not model.wte.weight.is_contiguous()
+    assert layout == "matvec" or not model.wte.weight.is_contiguous()
     idx = torch.randint(61, (3, 20), generator=torch.Generator().manual_seed(3))
     assert_same_logits(steps(model, KernelStep(model), idx, 12, 8)[0], steps(model, eager_step(model), idx, 12, 8)[0])
 
@@ -234,8 +234,8 @@ def test_padded_rows_step_through_the_graph_as_eager():
     (lambda m: _without_norm_weights(llama(**GPT2)), "its norms are not all RMSNorm or all LayerNorm (with a weight)"),
     (lambda m: _set(m, m.blocks[0].attn, "rope_dims", 8), "its layers rotate different channels"),
     (lambda m: m.double(), "the model is torch.float64"),
-    (lambda m: decode_layout(m, one_row="mv"), "its one-row products are not the stream kernel's (mv"),
-    (lambda m: scrambled(small(**LLAMA)), "its one-row products are not the stream kernel's (nn.Linear"),
+    (lambda m: decode_layout(m, one_row="mv"), "its one-row products are not the matvec kernel's (mv"),
+    (lambda m: scrambled(small(**LLAMA)), "its one-row products are not the matvec kernel's (nn.Linear"),
 ])
 def test_models_it_cannot_run_are_named_with_the_reason(change, why):
     model = change(llama())
@@ -275,7 +275,7 @@ def test_every_config_field_is_handled_by_the_kernel():
 
 def test_without_the_kernels_build_compile_decode_keeps_graphs(monkeypatch):
     model = llama()
-    monkeypatch.setattr(stream, "failure", lambda isa=None: "no C++ compiler found")
+    monkeypatch.setattr(matvec, "failure", lambda isa=None: "no C++ compiler found")
     assert unsupported(model) == "the kernel did not build here (no C++ compiler found)"
     assert compiled_of(compile_decode(model)).kernel is None
 

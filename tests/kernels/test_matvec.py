@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from selfattn._util import files as _files
-from selfattn.kernels import build, features, stream
+from selfattn.kernels import build, features, matvec
 from selfattn.kernels.features import assume_native_half
-from selfattn.kernels.stream import MATRIX_DTYPES, ROW_DTYPES
+from selfattn.kernels.matvec import MATRIX_DTYPES, ROW_DTYPES
 
 ISAS = features.instruction_sets()  # those this CPU runs: each built and tested here
 # (rows, out, in): in = 4 runs of 16 and more, leftover runs, a tail shorter than a run, shorter than one run
@@ -33,31 +33,31 @@ def test_the_kernel_is_the_float64_product_summed_in_float32(isa, w_dtype, x_dty
         w, scale = matrix(out, n_in, w_dtype)
         x = torch.randn(n, n_in).to(x_dtype)
         exact = x.double() @ w.double().t() * (1 if scale is None else scale.double())  # (n, out)
-        y = stream.rows(w, x, scale, isa=isa)
+        y = matvec.rows(w, x, scale, isa=isa)
         assert y.dtype == x_dtype and y.shape == (n, out)
         # float32 sums of n_in products: a few float32 roundings; a half-precision output rounds once more
         tol = 2e-6 if x_dtype == torch.float32 else 2 ** -8 if x_dtype == torch.bfloat16 else 2 ** -11
         error = ((y.double() - exact).abs() / exact.abs().max()).max().item()
         assert error < tol, (n, out, n_in, error)
         # a row's sums take the same order alone as among others: the same bits
-        assert torch.equal(torch.cat([stream.rows(w, x[i:i + 1], scale, isa=isa) for i in range(n)]), y)
+        assert torch.equal(torch.cat([matvec.rows(w, x[i:i + 1], scale, isa=isa) for i in range(n)]), y)
 
 
 def test_float32_rows_are_not_rounded_to_a_half_dtype_on_the_way():  # control: the tolerance above is tight
     w, x = torch.randn(64, 576), torch.randn(2, 576)
     exact = x.double() @ w.double().t()
-    rounded = stream.rows(w, x.bfloat16().float())
+    rounded = matvec.rows(w, x.bfloat16().float())
     assert ((rounded.double() - exact).abs() / exact.abs().max()).max() > 1e-4
-    assert ((stream.rows(w, x).double() - exact).abs() / exact.abs().max()).max() < 2e-6
+    assert ((matvec.rows(w, x).double() - exact).abs() / exact.abs().max()).max() < 2e-6
 
 
 def test_strided_inputs_and_a_scale_of_another_dtype_give_the_same_product():
     w, scale = matrix(48, 80, torch.int8)
     x = torch.randn(80, 3).t()  # (3, 80), not contiguous
-    y = stream.rows(w, x.contiguous(), scale)
-    assert torch.equal(stream.rows(w, x, scale), y)
-    bf16 = stream.rows(w, x.contiguous(), scale.bfloat16())
-    torch.testing.assert_close(bf16, stream.rows(w, x.contiguous(), scale.bfloat16().float()), rtol=0, atol=0)
+    y = matvec.rows(w, x.contiguous(), scale)
+    assert torch.equal(matvec.rows(w, x, scale), y)
+    bf16 = matvec.rows(w, x.contiguous(), scale.bfloat16())
+    torch.testing.assert_close(bf16, matvec.rows(w, x.contiguous(), scale.bfloat16().float()), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("w_dtype", [torch.float32, torch.int8])
@@ -67,7 +67,7 @@ def test_gradients_are_those_of_the_product(w_dtype):
     weight = w.float() * (1 if scale is None else scale[:, None])
     w_leaf = w.clone().requires_grad_(w_dtype.is_floating_point)
     grad = torch.randn(5, 24)
-    stream.rows(w_leaf, x, scale).backward(grad)
+    matvec.rows(w_leaf, x, scale).backward(grad)
     torch.testing.assert_close(x.grad, grad @ weight, rtol=1e-5, atol=1e-5)
     if w_dtype.is_floating_point:
         torch.testing.assert_close(w_leaf.grad, grad.t() @ x.detach(), rtol=1e-5, atol=1e-5)
@@ -75,19 +75,19 @@ def test_gradients_are_those_of_the_product(w_dtype):
 
 def test_a_compiled_function_calls_the_kernel_within_one_graph():
     w, x = torch.randn(40, 24), torch.randn(3, 24)
-    compiled = torch.compile(lambda w, x: torch.relu(stream.rows(w, x)) * 2, fullgraph=True)
-    assert torch.equal(compiled(w, x), torch.relu(stream.rows(w, x)) * 2)
+    compiled = torch.compile(lambda w, x: torch.relu(matvec.rows(w, x)) * 2, fullgraph=True)
+    assert torch.equal(compiled(w, x), torch.relu(matvec.rows(w, x)) * 2)
 
 
 def test_the_kernel_names_what_it_cannot_multiply():
     with pytest.raises(RuntimeError, match=re.escape("w (out, in) and x (N, in), got [4, 8] and [2, 7]")):
-        stream.rows(torch.randn(4, 8), torch.randn(2, 7))
+        matvec.rows(torch.randn(4, 8), torch.randn(2, 7))
     with pytest.raises(RuntimeError, match="int8 w takes a scale, others none"):
-        stream.rows(torch.ones(4, 8, dtype=torch.int8), torch.randn(2, 8))
+        matvec.rows(torch.ones(4, 8, dtype=torch.int8), torch.randn(2, 8))
     with pytest.raises(RuntimeError, match="a matrix of Double"):
-        stream.rows(torch.randn(4, 8, dtype=torch.float64), torch.randn(2, 8))
+        matvec.rows(torch.randn(4, 8, dtype=torch.float64), torch.randn(2, 8))
     with pytest.raises(ValueError, match="isa must be one of 'avx512bf16', 'avx512', 'avx2', 'baseline', got 'sse9'"):
-        stream.load("sse9")
+        matvec.load("sse9")
 
 
 @pytest.mark.parametrize("capability, bf16, sets", [
@@ -108,17 +108,17 @@ def test_a_cpu_taken_for_one_without_native_bfloat16_gets_no_pair_products(nativ
 
 
 def test_the_kernel_runs_the_widest_set_that_builds_here(monkeypatch):
-    either_failure = stream.failure.__wrapped__  # for one set, or with None for any set
+    either_failure = matvec.failure.__wrapped__  # for one set, or with None for any set
     monkeypatch.setattr(features, "instruction_sets", lambda: ("avx512bf16", "avx512", "baseline"))
     reasons = {"avx512bf16": "no -mavx512bf16 in this compiler", "avx512": None, "baseline": None}
-    monkeypatch.setattr(stream, "failure", lambda isa=None: reasons[isa])
+    monkeypatch.setattr(matvec, "failure", lambda isa=None: reasons[isa])
 
     def chosen() -> str:  # asked afresh
-        monkeypatch.setattr(stream, "_chosen", [])
-        return stream.chosen()
+        monkeypatch.setattr(matvec, "_chosen", [])
+        return matvec.chosen()
 
     def any_failure() -> str | None:  # asked afresh
-        monkeypatch.setattr(stream, "_chosen", [])
+        monkeypatch.setattr(matvec, "_chosen", [])
         return either_failure(None)
 
     assert chosen() == "avx512" and any_failure() is None
@@ -129,10 +129,10 @@ def test_the_kernel_runs_the_widest_set_that_builds_here(monkeypatch):
 
 
 def uncached_failure(monkeypatch, tmp_path) -> str | None:
-    """:func:`stream.failure` of a fresh build into ``tmp_path``, the process's kernels untouched."""
+    """:func:`matvec.failure` of a fresh build into ``tmp_path``, the process's kernels untouched."""
     monkeypatch.setenv("SELFATTN_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(stream, "load", build.library)
-    return stream.failure.__wrapped__(features.best())
+    monkeypatch.setattr(matvec, "load", build.library)
+    return matvec.failure.__wrapped__(features.best())
 
 
 def test_without_a_compiler_the_kernel_says_why_and_builds_nothing(monkeypatch, tmp_path):
@@ -143,20 +143,20 @@ def test_without_a_compiler_the_kernel_says_why_and_builds_nothing(monkeypatch, 
 
 
 def test_a_compile_error_is_one_line_naming_the_source(monkeypatch, tmp_path):
-    broken = tmp_path / "src" / "stream.cpp"
+    broken = tmp_path / "src" / "matvec.cpp"
     broken.parent.mkdir()
     broken.write_text("this is not C++;\n")
     monkeypatch.setattr(build, "SOURCES", (broken, build.SOURCES[1]))
     why = uncached_failure(monkeypatch, tmp_path)
-    assert why.startswith(f"compiling stream.cpp and decode.cpp for {features.best()} failed: ") and "\n" not in why
+    assert why.startswith(f"compiling matvec.cpp and decode.cpp for {features.best()} failed: ") and "\n" not in why
     assert not list((tmp_path / "kernels").iterdir())  # no temporary left behind
 
 
 def test_a_build_is_found_again_by_its_hash(monkeypatch):  # control of the two above: here it builds
     cache = _files.cache_dir()
-    assert stream.failure() is None
+    assert matvec.failure() is None
     assert uncached_failure(monkeypatch, cache) is None
     built = build.library(features.best())
-    assert built.parent == cache / "kernels" and built.name.startswith(f"stream_kernel-{features.best()}-")
+    assert built.parent == cache / "kernels" and built.name.startswith(f"matvec-{features.best()}-")
     before = built.stat().st_mtime_ns
     assert build.library(features.best()) == built and built.stat().st_mtime_ns == before  # not rebuilt

@@ -1,4 +1,4 @@
-"""The C++ kernel of a few causal queries' attention over a cache (``stream.attend``: a decoded
+"""The C++ kernel of a few causal queries' attention over a cache (``matvec.attend``: a decoded
 token, a speculative verification): every build this CPU runs against a float64 softmax, for every
 cache dtype, grouped heads, query counts, head sizes and key counts that leave every remainder, cache
 views; the same bits on any number of threads; a peaked softmax (the exponential's range); one
@@ -8,8 +8,8 @@ import re
 import pytest
 import torch
 
-from selfattn.kernels import features, stream
-from selfattn.kernels.stream import ROW_DTYPES
+from selfattn.kernels import features, matvec
+from selfattn.kernels.matvec import ROW_DTYPES
 
 ISAS = features.instruction_sets()
 # (B, H, Hkv, T, S, D): GQA and MHA, one key, keys past the 128 of a task and short of 16, D short of 16 and
@@ -41,7 +41,7 @@ def test_the_kernel_is_the_float64_attention_summed_in_float32(isa, dtype):
     for B, H, Hkv, T, S, D in SHAPES:
         q = torch.randn(B, H, T, D).to(dtype)
         k, v = cache_views(B, Hkv, S, D, dtype)
-        out = stream.attend(q, k, v, D ** -0.5, isa=isa)
+        out = matvec.attend(q, k, v, D ** -0.5, isa=isa)
         assert out.dtype == dtype and out.shape == q.shape
         error = (out.double() - exact(q, k, v, D ** -0.5)).abs().max().item()
         assert error < TOL[dtype], ((B, H, Hkv, T, S, D), error)
@@ -50,10 +50,10 @@ def test_the_kernel_is_the_float64_attention_summed_in_float32(isa, dtype):
 def test_a_wrong_weighting_fails_the_same_tolerance():  # control: the comparison can fail
     q = torch.randn(1, 4, 3, 64)
     k, v = cache_views(1, 2, 200, 64, torch.float32)
-    out = stream.attend(q, k, v, 0.125)
+    out = matvec.attend(q, k, v, 0.125)
     assert (out.double() - exact(q, k, v, 0.125)).abs().max() < TOL[torch.float32]
     assert (out.double() - exact(q, k, v, 0.126)).abs().max() > TOL[torch.float32]  # another scale
-    assert (stream.attend(q, k, v[:, [1, 0]], 0.125) - out).abs().max() > TOL[torch.float32]  # another head's v
+    assert (matvec.attend(q, k, v[:, [1, 0]], 0.125) - out).abs().max() > TOL[torch.float32]  # another head's v
     shifted = exact(q, k[:, :, :-1], v[:, :, :-1], 0.125)  # every query one key short
     assert (out[:, :, :2].double() - shifted[:, :, :2]).abs().max() > TOL[torch.float32]
 
@@ -63,7 +63,7 @@ def test_a_peaked_softmax_keeps_its_tiny_weights():  # scores 0 to -300: exponen
     q[..., 0] = 1.0
     k, v = cache_views(1, 1, 300, 16, torch.float32)
     k[..., 0] = -torch.arange(300.0)  # key j scores -j: weights e^-j, the sum about 1.58
-    out = stream.attend(q, k, v, 1.0)
+    out = matvec.attend(q, k, v, 1.0)
     torch.testing.assert_close(out.double(), exact(q, k, v, 1.0), rtol=0, atol=2e-6)
 
 
@@ -73,26 +73,26 @@ def test_the_bits_do_not_depend_on_the_threads():
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        alone = stream.attend(q, k, v, 0.125)
+        alone = matvec.attend(q, k, v, 0.125)
     finally:
         torch.set_num_threads(threads)
-    assert torch.equal(stream.attend(q, k, v, 0.125), alone)
+    assert torch.equal(matvec.attend(q, k, v, 0.125), alone)
 
 
 def test_a_compiled_function_calls_the_kernel_within_one_graph():
     q = torch.randn(1, 4, 1, 32)
     k, v = cache_views(1, 2, 50, 32, torch.float32)
-    compiled = torch.compile(lambda q, k, v: stream.attend(q, k, v, 0.2) * 2, fullgraph=True)
-    assert torch.equal(compiled(q, k, v), stream.attend(q, k, v, 0.2) * 2)
+    compiled = torch.compile(lambda q, k, v: matvec.attend(q, k, v, 0.2) * 2, fullgraph=True)
+    assert torch.equal(compiled(q, k, v), matvec.attend(q, k, v, 0.2) * 2)
 
 
 def test_the_kernel_names_what_it_cannot_attend():
     q, k = torch.randn(1, 4, 1, 8), torch.randn(1, 3, 5, 8)
     with pytest.raises(RuntimeError, match=re.escape("H a multiple of Hkv, got [1, 4, 1, 8], [1, 3, 5, 8]")):
-        stream.attend(q, k, k, 1.0)
+        matvec.attend(q, k, k, 1.0)
     with pytest.raises(RuntimeError, match=re.escape("0 < T <= S and H a multiple of Hkv, got [1, 4, 6, 8]")):
-        stream.attend(torch.randn(1, 4, 6, 8), k[:, :2], k[:, :2], 1.0)  # more queries than keys
+        matvec.attend(torch.randn(1, 4, 6, 8), k[:, :2], k[:, :2], 1.0)  # more queries than keys
     with pytest.raises(RuntimeError, match="k and v of one dtype, got Float and BFloat16"):
-        stream.attend(q, k[:, :2], k[:, :2].bfloat16(), 1.0)
+        matvec.attend(q, k[:, :2], k[:, :2].bfloat16(), 1.0)
     with pytest.raises(RuntimeError, match="a cache of Double"):
-        stream.attend(q, k[:, :2].double(), k[:, :2].double(), 1.0)
+        matvec.attend(q, k[:, :2].double(), k[:, :2].double(), 1.0)
