@@ -17,7 +17,10 @@ from selfattn.cli import flags
 from selfattn.config import GPTConfig
 from selfattn.families.writing import ARCHS
 from selfattn.training import lock, parallel
-from selfattn.training.loop import PRESETS, Diverged, TrainConfig, TrainResult, resolve_configs, train
+from selfattn.training.config import TrainConfig
+from selfattn.training.loop import Diverged, TrainResult, train
+from selfattn.training.presets import PRESETS
+from selfattn.training.resume import resolve_configs
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

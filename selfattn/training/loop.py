@@ -5,8 +5,9 @@
 evaluation), ``loss.png``, the token cache ``tokens/`` and, while a process trains there, its
 lock ``.lock`` (a second process is refused, naming the first's PID). Resuming continues from
 the newest checkpoint exactly: on CPU in float32 the losses equal, step for step, those of a
-run that never stopped, however often it was killed. :func:`resolve_configs` layers the configs
-a run starts from and refuses, on resume, flags that would change its model shape or its tokens.
+run that never stopped, however often it was killed.
+The configs a run starts from are :mod:`selfattn.training.resume`'s (:func:`~selfattn.training.resume.resolve_configs`),
+whose :class:`~selfattn.training.config.TrainConfig` is :mod:`selfattn.training.config`'s.
 
 Determinism by construction: the rows of step s and its dropout masks come from seeds derived
 from (seed, step, rank), never from a stream consumed by earlier steps, so a checkpoint needs
@@ -39,114 +40,13 @@ from torch import Tensor, nn
 from selfattn._util import files as _files
 from selfattn._util import plot as _plot
 from selfattn._util import validate as _validate
-from selfattn._util.fields import described
 from selfattn._util.seeds import stream_seed
 from selfattn.config import GPTConfig
 from selfattn.distributed import SequenceShard
-from selfattn.families import writing
 from selfattn.loss import IGNORE
 from selfattn.model import GPT
 from selfattn.training import chat, checkpoint, data, finetune, lock, parallel
-
-
-@dataclass
-class TrainConfig:
-    data: str | None = described(None, "text file or folder of text files; none = the built-in corpus (Python's docs)")
-    init_from: str | None = described(None, "start from a model selfattn loads (a run, a transformers folder, a GGUF "
-                                            "file): its weights, its config (flags change it) and its tokenizer")
-    tokenizer: str = described("byte", '"byte" (vocabulary 256, any text) or "bpe" (trained locally on the corpus)')
-    bpe_vocab: int = described(2048, 'BPE vocabulary size (256 bytes + merges), with tokenizer "bpe"')
-    val_fraction: float = described(0.1, 'the last fraction of the tokens, held out for evaluation')
-    seq_len: int | None = described(None, "tokens per training row; none = the model's block_size (fine-tuning a "
-                                          "long-context model on shorter rows keeps its context)")
-    batch_size: int = described(32, 'sequences per optimizer step, over all ranks and micro-steps together')
-    grad_accum: int = described(1, 'micro-steps per optimizer step: each runs batch_size / (ranks * grad_accum) rows')
-    max_steps: int = described(2000, 'optimizer steps; the cosine decay ends here')
-    lr: float = described(1e-3, 'peak learning rate, reached after the warmup')
-    min_lr: float = described(1e-4, 'learning rate at the end of the cosine decay')
-    warmup_steps: int = described(100, 'linear warmup from 0 to lr over these steps')
-    weight_decay: float = described(0.1, 'AdamW weight decay, on matrices only (not on biases and LayerNorm gains)')
-    beta1: float = described(0.9, 'AdamW beta1')
-    beta2: float = described(0.99, 'AdamW beta2')
-    grad_clip: float = described(1.0, 'clip the global gradient norm to this; 0 = no clipping')
-    eval_every: int = described(200, 'steps between evaluations on the val split (also redraws loss.png)')
-    eval_batches: int = described(20, 'batches per evaluation, the same batches every time')
-    save_every: int = described(500, 'steps between checkpoints; the last step is always saved')
-    keep: int = described(2, 'checkpoints kept in the run folder, the newest ones')
-    seed: int = described(0, 'seeds the initial weights, the batches and the dropout masks')
-    device: str = described("auto", '"auto" (CUDA if available, else CPU) or a torch device: "cpu", "cuda", "mps"')
-    bf16: bool = described(False, 'bfloat16 autocast for forward and backward; weights and AdamW state stay float32')
-    lora_rank: int | None = described(None, "with --init-from: train LoRA adapters of this rank on the attention "
-                                            "projections, every weight of the model frozen; none = train all weights")
-    lora_alpha: float | None = described(None, "LoRA's scale is alpha / rank; none = 2 * rank")
-    lora_dropout: float = described(0.0, "dropout on the LoRA adapters' input")
-    lora_mlp: bool = described(False, "LoRA adapters on the MLP's projections too")
-    pack: bool = described(False, "chat data: pack conversations into rows as separate documents (positions "
-                                  "restart, no attention across them) instead of one padded row each")
-    compile: bool = described(False, 'torch.compile the model')
-    checkpoint_activations: bool = described(False, "recompute each block's activations in the backward instead of "
-                                                    "keeping them: less memory for one more forward of the blocks")
-    fsdp: bool = described(False, 'under torchrun: shard the model with FSDP2 instead of replicating it with DDP')
-    context_parallel: int = described(1, 'under torchrun: split each sequence over this many ranks (ring attention)')
-
-    def __post_init__(self):
-        _validate.positive_ints(**{name: getattr(self, name) for name in (
-            "batch_size", "grad_accum", "max_steps", "eval_every", "eval_batches", "save_every", "keep", "bpe_vocab",
-            "context_parallel")})
-        if self.context_parallel > 1 and (self.fsdp or self.compile):
-            raise ValueError(f"context_parallel={self.context_parallel} runs with DDP, eagerly: not with "
-                             f"{'fsdp' if self.fsdp else 'compile'}")
-        _validate.count("warmup_steps", self.warmup_steps)
-        if self.seq_len is not None:
-            _validate.positive_int("seq_len", self.seq_len)
-        if self.pack and self.context_parallel > 1:
-            raise ValueError("pack and context_parallel: packed documents are not split over ranks")
-        if self.lora_rank is not None:
-            _validate.positive_int("lora_rank", self.lora_rank)
-        if self.lora_alpha is not None:
-            _validate.positive_number("lora_alpha", self.lora_alpha)
-        _validate.probability("lora_dropout", self.lora_dropout)
-        if self.init_from is None and (self.lora_rank is not None or self.lora_mlp):
-            raise ValueError("LoRA adapts a loaded model: give --init-from with --lora-rank")
-        if self.lora_rank is None and (self.lora_alpha is not None or self.lora_mlp or self.lora_dropout):
-            raise ValueError("lora_alpha, lora_dropout and lora_mlp set LoRA's adapters: give --lora-rank too")
-        if self.tokenizer not in ("byte", "bpe"):
-            raise ValueError(f"tokenizer must be 'byte' or 'bpe', got {self.tokenizer!r}")
-        if self.init_from is not None and (not isinstance(self.init_from, str) or not self.init_from):
-            raise ValueError(f"init_from must be a path, got {self.init_from!r}")
-        for name in ("lr", "min_lr", "weight_decay", "grad_clip"):
-            if not getattr(self, name) >= 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
-        if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
-            raise ValueError(f"beta1 and beta2 must be in [0, 1), got {self.beta1!r}, {self.beta2!r}")
-
-
-
-# name -> (GPTConfig fields, TrainConfig fields); flags and --config override them.
-PRESETS = {
-    # 0.64M parameters: writes English-looking words in about a minute on 2 cores (README: its run)
-    "tiny": (dict(block_size=128, n_layer=3, n_head=4, n_embd=128),
-             dict(batch_size=16, max_steps=700, lr=3e-3, min_lr=3e-4, warmup_steps=50, eval_every=100,
-                  eval_batches=8, save_every=350)),
-    # nanoGPT's character-level Shakespeare size (~10.7M): minutes on one GPU
-    "small": (dict(block_size=256, n_layer=6, n_head=6, n_embd=384, dropout=0.2),
-              dict(batch_size=64, max_steps=5000, lr=1e-3, min_lr=1e-4, warmup_steps=100, eval_every=250,
-                   save_every=1000, bf16=True)),
-    # GPT-2 small's shape (124M) with a locally trained BPE: a large --data corpus, 8 GPUs under torchrun
-    "gpt2": (dict(block_size=1024, n_layer=12, n_head=12, n_embd=768),
-             dict(tokenizer="bpe", bpe_vocab=16384, batch_size=512, grad_accum=4, max_steps=5000, lr=6e-4,
-                  min_lr=6e-5, warmup_steps=700, beta2=0.95, eval_every=250, save_every=1000, bf16=True)),
-}
-_MODEL_FIELDS_CHANGEABLE_ON_RESUME = ("backend", "dropout")  # they change no parameter shape
-_DATA_FIELDS_KEPT_ON_RESUME = {  # TrainConfig field -> why a resumed run keeps it (the corpus: by its fingerprint)
-    "tokenizer": "the model's vocabulary and the token cache come from it",
-    "bpe_vocab": "the model's vocabulary and the token cache come from it",
-    "val_fraction": "another split would move trained tokens into validation",
-    "init_from": "the run's tokenizer, and so its tokens, came from it",
-    "lora_rank": "the run's trained weights are adapters of this rank (or the whole model)",
-    "lora_alpha": "the adapters were trained at this scale",
-    "lora_mlp": "the run's adapters sit where they were put",
-}
+from selfattn.training.config import TrainConfig
 
 
 class Diverged(RuntimeError):
@@ -167,114 +67,6 @@ class TrainResult:
 # on_event(kind, record), on rank 0 only: kind "start" (the run described), "step" (a log.jsonl
 # record of one optimizer step) or "eval" (a validation record, with the last train loss).
 OnEvent = Callable[[str, dict], None]
-
-
-def resolve_configs(out: str | os.PathLike, *, preset: str | None = None, config: str | None = None,
-                    resume: bool = False, model_flags: dict | None = None, train_flags: dict | None = None,
-                    arch: str | None = None) -> tuple[GPTConfig, TrainConfig, Path | None]:
-    """(model config, train config, checkpoint to resume from or None), layered: dataclass
-    defaults < ``preset`` < ``arch`` (a family's block, :func:`selfattn.families.writing.block`) <
-    the JSON file ``config`` < the flags; on ``resume``: the newest checkpoint's configs < the
-    flags (training fields, and model fields that change no shape). A resume may repeat the
-    original command's ``preset``, ``arch`` and ``config`` when every field they set agrees with the run
-    (or a flag given sets it)."""
-    out, model_flags, train_flags = Path(out), model_flags or {}, train_flags or {}
-    if resume:
-        found = checkpoint.read_latest(out)
-        if found is None:
-            raise ValueError(f"--resume: no checkpoint (ckpt-*.safetensors) in {str(out)!r}")
-        ckpt, meta = found[0], found[2]["meta"]
-        _check_resume_flags(ckpt, meta, model_flags, train_flags)
-        if preset or config or arch:
-            _check_resume_layers(meta, _layers(preset, arch, config, model_flags), model_flags, train_flags,
-                                 " ".join(f"--{k} {v}" for k, v in (("preset", preset), ("arch", arch),
-                                                                    ("config", config)) if v))
-        train_cfg = TrainConfig(**{**meta["train"], **train_flags})
-        _check_resume_launch(ckpt, train_cfg, train_flags)
-        return GPTConfig(**{**meta["model"], **model_flags}), train_cfg, ckpt
-    if checkpoint.latest(out) is not None:
-        raise ValueError(f"{str(out)!r} already holds checkpoints; pass --resume to continue it, or another --out")
-    model_vals, train_vals = _layers(preset, arch, config, model_flags)
-    train_cfg = TrainConfig(**{**train_vals, **train_flags})
-    if train_cfg.init_from is not None:
-        if preset or arch or model_vals:
-            raise ValueError("--init-from starts from the model's own config: drop --preset, --arch and a --config "
-                             "model part (flags and --set change single fields)")
-        if {"tokenizer", "bpe_vocab"} & {*train_flags, *train_vals}:
-            raise ValueError("--init-from trains with the model's own tokenizer: drop --tokenizer and bpe_vocab")
-        return finetune.changed_config(finetune.source(train_cfg.init_from).model, model_flags,
-                                       train_cfg.init_from), train_cfg, None
-    return GPTConfig(**{**model_vals, **model_flags}), train_cfg, None
-
-
-def _layers(preset: str | None, arch: str | None, config: str | None, model_flags: dict) -> tuple[dict, dict]:
-    """The model and train fields ``preset`` < ``arch`` < the JSON file ``config`` set (not the flags)."""
-    if preset is not None and preset not in PRESETS:
-        raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
-    model_vals, train_vals = PRESETS[preset] if preset else ({}, {})
-    if arch is not None:
-        model_vals = {**model_vals, **writing.block(arch, {**dataclasses.asdict(GPTConfig()), **model_vals,
-                                                           **model_flags})}
-    if config:
-        model_vals, train_vals = _read_config_file(config, model_vals, train_vals)
-    return model_vals, train_vals
-
-
-def _check_resume_layers(meta: dict, layers: tuple[dict, dict], model_flags: dict, train_flags: dict,
-                         given: str) -> None:
-    """Refuse a resume whose repeated ``given`` (--preset, --arch, --config) sets a field otherwise than the
-    run has it, where no flag given sets that field."""
-    for (kind, flags), values in zip((("model", model_flags), ("train", train_flags)), layers):
-        for key, value in values.items():
-            if key not in flags and meta[kind].get(key) != value:
-                raise ValueError(f"--resume: {given} sets {key}={value!r} but the run has {key}="
-                                 f"{meta[kind].get(key)!r}; drop it, or resume with the run's own configs")
-
-
-def _check_resume_flags(ckpt: Path, meta: dict, model_flags: dict, train_flags: dict) -> None:
-    """Refuse flags that would change what a resumed run is: its model shape, its tokens."""
-    missing = [key for key in ("model", "train", "data", "step") if key not in meta]
-    if missing:
-        raise ValueError(f"--resume: {ckpt} was not written by selfattn train (its meta has no {missing[0]!r})")
-    changed = [(key, value, meta["model"][key], "a resumed run keeps its model shape")
-               for key, value in model_flags.items()
-               if key not in _MODEL_FIELDS_CHANGEABLE_ON_RESUME and value != meta["model"][key]]
-    changed += [(key, train_flags[key], meta["train"].get(key), why) for key, why in _DATA_FIELDS_KEPT_ON_RESUME.items()
-                if key in train_flags and train_flags[key] != meta["train"].get(key)]
-    if changed:
-        key, value, saved, why = changed[0]
-        raise ValueError(f"--resume: {key}={value!r} differs from the checkpoint's {key}={saved!r}; {why}")
-
-
-def _check_resume_launch(ckpt: Path, cfg: TrainConfig, train_flags: dict) -> None:
-    """A resumed run takes its processes' settings from the checkpoint: when one process cannot
-    serve them, say where the value comes from and both ways on."""
-    if parallel.launched():  # under torchrun: parallel.setup checks the world it joined
-        return
-    for key, on, launch, alone in (
-            ("context_parallel", cfg.context_parallel > 1, f"torchrun --nproc_per_node={cfg.context_parallel}",
-             "--context-parallel 1"),
-            ("fsdp", cfg.fsdp, "torchrun --nproc_per_node=N", "--no-fsdp")):
-        if on and key not in train_flags:
-            raise ValueError(f"--resume: the run's checkpoint {ckpt} has {key}={getattr(cfg, key)!r}, which needs "
-                             f"several processes: launch with {launch}, or pass {alone} to continue in this one")
-
-
-def _read_config_file(path: str, model_vals: dict, train_vals: dict) -> tuple[dict, dict]:
-    try:
-        content = json.loads(Path(path).read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"--config {path}: invalid JSON at line {e.lineno} column {e.colno}: {e.msg}") from None
-    except UnicodeDecodeError as e:
-        raise ValueError(f"--config {path}: not UTF-8 text (byte {e.start})") from None
-    if not isinstance(content, dict) or set(content) - {"model", "train"}:
-        extra = sorted(set(content) - {"model", "train"}) if isinstance(content, dict) else type(content).__name__
-        raise ValueError(f"--config {path}: expected an object with keys 'model' and/or 'train', got {extra}")
-    model = _validate.config_fields(GPTConfig, content.get("model", {}), f"--config {path}")
-    if "vocab_size" in model:
-        raise ValueError(f"--config {path}: model key 'vocab_size' is set by the tokenizer, leave it out")
-    train = _validate.config_fields(TrainConfig, content.get("train", {}), f"--config {path}")
-    return {**model_vals, **model}, {**train_vals, **train}
 
 
 def train(model_cfg: GPTConfig, cfg: TrainConfig, out: str | os.PathLike, *, resume_from: Path | None = None,

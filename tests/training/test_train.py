@@ -15,7 +15,8 @@ from selfattn.cli import main
 from selfattn.config import GPTConfig
 from selfattn.model import GPT
 from selfattn.training import checkpoint
-from selfattn.training.loop import TrainConfig, lr_at
+from selfattn.training.config import TrainConfig
+from selfattn.training.loop import lr_at
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}  # the same thread count in every process
 MICRO = ["--n-layer", "1", "--n-embd", "16", "--n-head", "2", "--block-size", "16", "--batch-size", "8",
@@ -275,7 +276,7 @@ def test_config_file_errors_name_the_key(tmp_path, capsys, content, message):
 
 
 def test_config_file_layers_over_the_preset_and_flags_over_both(tmp_path):
-    from selfattn.training.loop import resolve_configs
+    from selfattn.training.resume import resolve_configs
 
     path = tmp_path / "cfg.json"
     path.write_text(json.dumps({"model": {"n_layer": 3}, "train": {"lr": 5e-4, "max_steps": 7}}))
