@@ -39,16 +39,22 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = True, window: i
               alibi_slopes: Tensor | None = None, softcap: float | None = None, sinks: Tensor | None = None,
               sink_tokens: int | None = None,
               prefix_len: int | Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
-    """Scaled dot-product attention of q ``(B, H, T, D)`` over k, v ``(B, Hkv, S, D)``.
+    """Scaled dot-product attention of ``q`` over ``k``, ``v``, computed by one backend.
 
-    The queries are the last T of the S key positions. Which keys a query sees:
-    :mod:`selfattn.masks` (``causal``, ``window``, ``key_padding_mask``, ``doc_ids``,
-    ``sink_tokens``, ``prefix_len``, a ``mask_mod`` of yours); what happens to the scores:
-    :mod:`selfattn.scores` (``alibi_slopes``, ``softcap``, a ``score_mod`` of yours, learned
-    ``sinks``). ``scale`` defaults to ``D ** -0.5``. ``backend`` is one of ``"auto"``,
-    ``"math"``, ``"sdpa"``, ``"tiled"``, ``"flex"``, ``"triton"``. Returns the output
-    ``(B, H, T, D)``, and with ``return_weights=True`` also the weights ``(B, H, T, S)``
-    (math backend only).
+    Args:
+        q: the queries ``(B, H, T, D)``, the last T of the S key positions.
+        k, v: the keys and values ``(B, Hkv, S, D)``, H a multiple of Hkv (grouped-query attention).
+        causal, window, key_padding_mask, doc_ids, sink_tokens, prefix_len, mask_mod: which keys a
+            query sees (:mod:`selfattn.masks`; ``mask_mod`` a function of yours).
+        alibi_slopes, softcap, score_mod, sinks: what happens to the scores before the softmax
+            (:mod:`selfattn.scores`; ``score_mod`` a function of yours, ``sinks`` learned).
+        dropout_p: dropout on the weights. scale: the scores' scale, default ``D ** -0.5``.
+        backend: ``"auto"``, ``"math"``, ``"sdpa"``, ``"tiled"``, ``"flex"`` or ``"triton"``.
+        return_weights: return the weights too (the math backend only).
+
+    Returns:
+        the output ``(B, H, T, D)``; with ``return_weights=True``, ``(output, weights)``, the
+        weights ``(B, H, T, S)``.
     """
     _validate.qkv(q, k, v)
     B, H, T, S = q.shape[0], q.shape[1], q.shape[2], k.shape[2]

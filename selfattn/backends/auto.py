@@ -1,59 +1,27 @@
 """``backend="auto"``: the backend expected to be fastest for a request, never one that refuses it.
 
-The rule, from ``python -m benchmarks masks`` and timings of the same kind on a 2-core AMD EPYC
-with AVX2 (float32, B=1, H=8, D=64, medians of interleaved runs). The timings behind each rule are
-in ``docs/benchmarks.md``, "Measurements the code cites"; the masks tables are in the same file, an
-AVX2 run in ``docs/bench/masks-avx2.md``:
+Measured here first: where this machine has timed requests of the kind (``selfattn calibrate``, or
+``SELFATTN_AUTO_TUNE=1``; :mod:`selfattn.backends.tuning`), the backend it measured fastest comes first
+and the rule orders the rest; what nothing measured covers, and what ``torch.compile`` traces, follows
+the rule alone. Each candidate is asked (``unsupported``) before it is chosen; the next one serves when
+it refuses. ``flex`` compiles on first use: :func:`allow_compile` (or ``SELFATTN_AUTO_COMPILE=0``)
+keeps it out.
 
-1. Weights asked for: ``math``, the only backend that returns them.
-2. Plain causal or unmasked attention (a window as long as the sequence included): ``sdpa``.
-   PyTorch's fused kernel with ``is_causal`` was the fastest at T = 4096, forward and
-   forward+backward, ahead of tiled and FlexAttention. So is one query without a gradient that
-   sees every key (a decoded token), taken without the lookup of the measurements (which cost a
-   large share of the attention it picks): SDPA without a mask beat the math backend's products over
-   512 cached keys of SmolLM2's heads. On the CPU the sdpa backend hands such a token to the
-   one-query kernel of :mod:`selfattn.kernels.matvec`, faster still.
-3. A small request, T·S <= ``SMALL`` (a decoding step over a cache, a short sequence):
-   ``sdpa`` with the dense mask. At T = S = 256 it beat tiled (window 64 and 4 documents); at
-   512 the two tied; from 1024 on tiled won. The crossover is in T, not in the batch or heads:
-   at T = 256 SDPA was faster from B·H = 8 to 192 (B=16, H=12), forward and forward+backward;
-   at T = 512 (B·H = 8 and 32) tiled was faster in 6 of 8 cells (window 64 and 4 documents).
-4. Windows, padding, documents: the tiles the mask leaves visible decide (the block map's
-   density at the tiled backend's tile size). Tiled costs about 1.2x SDPA per computed pair
-   (plain causal at T = 4096, where it computes 53% of the tiles and SDPA with a dense mask all of
-   them), so above a density of ``DENSE`` = 0.8 the dense mask wins; below it, the backends that
-   skip hidden tiles:
-   - forward only (no gradient, no dropout), compiling allowed, and a mask where compiled
-     FlexAttention was faster than tiled: documents (at T = 4096 and 16384), a ``mask_mod``
-     (flex compiles it; tiled calls it on every partial tile) and windows of at most
-     ``FLEX_WINDOW`` = 256 keys (at windows of 512, 1024 and 2048 tiled was faster): ``flex``.
-     Left padding is tiled's since it skips padded tiles per batch row (faster than flex at 50%
-     padding, T = 4096 and 16384);
-   - otherwise ``tiled`` (forward+backward: many times faster than SDPA with a dense mask).
-5. Scores changed before the softmax (ALiBi, soft-capping, a ``score_mod``) or learned sinks:
-   the same choice of mask as rule 4 (``flex`` forward on documents, a mask_mod or a short
-   window; tiled beat flex on causal ALiBi at T = 4096), else ``tiled`` (which serves every
-   rule), ``sdpa`` only for what is a dense additive bias, ``math`` last. Soft-capping's forward
-   went both ways on two machines of this kind until tiled computed the cap with a sigmoid
-   instead of tanh; then tiled won (``python -m benchmarks masks --cells softcap:4096
-   causal:4096 --impls auto tiled flex flex-compiled sdpa``).
-6. Half precision with a gradient on a CPU without native half matmuls (AVX2): ``tiled``
-   whatever the mask. Its tiles are multiplied in float32 there, while PyTorch's bfloat16 SDPA
-   backward is slow (several times tiled's forward+backward at T = 4096, plain causal and
-   every masked cell), though SDPA's bfloat16 forward still won, so forward passes follow rules
-   2-4. Short sequences too: timed alone, tiled's forward+backward won at T = 128 and 256.
-7. On a CUDA device (not measured by this project yet): plain causal ``sdpa``; other masks and
-   score rules ``flex`` when compiling is allowed, else ``triton`` when it is installed and
-   serves the request, else ``tiled``.
+The rule (:func:`rule`; why each step: ``docs/design.md``, "How auto chooses"; the timings behind it:
+``docs/benchmarks.md``, "Measurements the code cites"):
 
-Measured here first: where this machine has timed requests of the kind (``selfattn bench
-calibrate``, or ``SELFATTN_AUTO_TUNE=1``; :mod:`selfattn.backends.tuning`), the backend it measured
-fastest comes first and the rule above orders the rest; requests nothing measured covers follow the
-rule alone, and so do requests traced by ``torch.compile`` (a compiled decode step's graph holds
-one backend for every size it serves). Each candidate is asked (``unsupported``) before it is
-chosen; the next one serves when it refuses. Compiling backends (``flex``: up to seconds for
-every new shape on that CPU) can be kept out of ``auto`` with :func:`allow_compile` or the
-environment variable ``SELFATTN_AUTO_COMPILE=0``.
+1. weights asked for: ``math``, the only backend that returns them;
+2. plain causal or unmasked attention (a window as long as the sequence included), and a decoded
+   token (one query without a gradient that sees every key, not looked up): ``sdpa``;
+3. a small request, T·S <= :data:`SMALL`: ``sdpa`` with the dense mask;
+4. windows, padding, documents: ``sdpa`` with the dense mask when the block map's density is above
+   :data:`DENSE`; below it, for a forward (no gradient, no dropout, compiling allowed) on documents,
+   a ``mask_mod`` or a window of at most :data:`FLEX_WINDOW` keys ``flex``, else ``tiled``;
+5. scores changed before the softmax (ALiBi, soft-capping, a ``score_mod``) or learned sinks: ``flex``
+   where rule 4 takes it, else ``tiled``, then ``sdpa``, ``math``;
+6. half precision with a gradient on a CPU without native half matmuls: ``tiled``, whatever the mask;
+7. on a CUDA device: plain causal ``sdpa``; other masks and score rules ``flex`` when compiling is
+   allowed, else ``triton`` where it is installed and serves, else ``tiled``.
 """
 from __future__ import annotations
 

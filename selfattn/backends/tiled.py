@@ -52,15 +52,9 @@ from selfattn.kernels.features import multiplies_natively
 from selfattn.masks import HIDDEN, PARTIAL, Mask
 from selfattn.scores import Scores
 
-# Tile sizes: each tile costs ~10 PyTorch calls, so tiles must be large enough to hide the
-# per-call overhead, and small enough to skip what a mask hides. Plain causal: 256 x 256 was
-# the fastest or tied of 128..512 on a 2-core AVX-512 CPU, float32 forward+backward, D = 64,
-# from (B=16, T=1024) to (B=2, T=8192). Windows, padding, documents: 128 x 128, measured
-# faster than 256 x 256 on a 2-core AVX2 CPU (window 256 at T = 4096 and 16384, 16 documents at
-# T = 4096; B=1, H=8, D=64; forward and forward+backward, interleaved runs). ALiBi and
-# soft-capping keep 256 x 256: of six sizes (128..512 rows, 128..256 columns) it was the fastest
-# for both on the AVX2 CPU, forward at T = 4096 (the timings: docs/benchmarks.md, "Measurements
-# the code cites").
+# Tile sizes: large enough to hide each tile's ~10 PyTorch calls, small enough to skip what a mask
+# hides; 256 x 256, and 128 x 128 where a window, padding or documents hide tiles (why: docs/design.md,
+# "The block map").
 BLOCK_Q = 256  # query rows per tile, plain causal or unmasked
 BLOCK_K = 256  # key columns per tile, plain causal or unmasked
 MASKED_BLOCK = 128  # rows and columns per tile when a window, padding or documents hide tiles

@@ -111,7 +111,16 @@ def unsupported(model: GPT) -> str | None:
 
 
 def compile_decode(model: GPT) -> GPT:
-    """Decode ``model`` fast from now on; returns it. The one call of the fast path:
+    """Make ``model`` decode fast from now on: the one call of the fast path.
+
+    Args:
+        model: a :class:`~selfattn.model.GPT`, changed in place.
+
+    Returns:
+        ``model``, whose later :func:`~selfattn.generation.generate` calls decode fast. A ValueError
+        for a model with a sliding-window layer that the kernel cannot run.
+
+    What it sets up:
 
     - the weights laid out for decoding (:func:`~selfattn.generation.layout.decode_layout`, by its
       rule, unless the model was laid out or quantised already);
@@ -124,8 +133,7 @@ def compile_decode(model: GPT) -> GPT:
 
     The first generation compiles the graphs (seconds; tens of seconds for a 135M model). The same
     tokens as eager decoding in float32; in half precision a fused graph rounds less often, so a
-    near-tie may break the other way. A ValueError for a model with a sliding-window layer that the
-    kernel cannot run."""
+    near-tie may break the other way."""
     if not isinstance(model, GPT):
         raise TypeError(f"compile_decode needs a selfattn GPT, got {type(model).__name__}")
     if not is_laid_out(model):

@@ -25,20 +25,26 @@ def generate(model: GPT, idx: Tensor, max_new_tokens: int, *, temperature: float
              top_p: float | None = None, eos_token: int | None = None, generator: torch.Generator | None = None,
              attention_mask: Tensor | None = None,
              speculative: str | GPT | Speculative | None = None) -> Iterator[Tensor]:
-    """Continue each prompt of ``idx`` ``(B, T)`` with ``model``: an iterator yielding one ``(B,)``
-    int64 tensor of new tokens per step (streaming), at most ``max_new_tokens`` of them.
+    """Continue each prompt of ``idx`` with ``model``, one token a row per step.
 
-    temperature: 0 = greedy; otherwise logits / temperature, then ``top_k``, then
-        ``top_p`` (see :mod:`selfattn.generation.sampling`), drawn with ``generator``.
-    eos_token: a row that produces it is finished and yields ``eos_token`` from then on;
-        the iterator stops early once every row has finished.
-    attention_mask: ``(B, T)`` for left-padded prompts (the last column must be real);
-        each row then generates what its prompt would alone.
-    speculative: lossless speculative decoding (:mod:`selfattn.generation.speculative`): ``"lookup"``
-        (prompt lookup), ``"self:N"`` (the first N blocks draft), a draft GPT of the same
-        vocabulary, or a :class:`~selfattn.generation.speculative.Speculative` (to set the draft length
-        and read its ``stats``). Greedy, the same tokens as without it; sampling, the same
-        distribution; the same stream, one token per row per step.
+    Args:
+        model: a :class:`~selfattn.model.GPT`.
+        idx: the prompts, ``(B, T)`` token ids.
+        max_new_tokens: at most this many new tokens a row.
+        temperature: 0 = greedy; otherwise logits / temperature, then ``top_k``, then
+            ``top_p`` (see :mod:`selfattn.generation.sampling`), drawn with ``generator``.
+        eos_token: a row that produces it is finished and yields ``eos_token`` from then on;
+            the iterator stops early once every row has finished.
+        attention_mask: ``(B, T)`` for left-padded prompts (the last column must be real);
+            each row then generates what its prompt would alone.
+        speculative: lossless speculative decoding (:mod:`selfattn.generation.speculative`): ``"lookup"``
+            (prompt lookup), ``"self:N"`` (the first N blocks draft), a draft GPT of the same
+            vocabulary, or a :class:`~selfattn.generation.speculative.Speculative` (to set the draft
+            length and read its ``stats``). Greedy, the same tokens as without it; sampling, the
+            same distribution.
+
+    Returns:
+        an iterator yielding one ``(B,)`` int64 tensor of new tokens per step, as they come.
 
     Arguments are checked here, before the first step. Decoding runs under
     ``torch.inference_mode`` in the model's current train/eval mode (call ``model.eval()``

@@ -2,14 +2,10 @@
 (``kernels/decode.cpp``, built with :mod:`selfattn.kernels.matvec`), for
 :func:`~selfattn.generation.compile_decode` on the CPU.
 
-A compiled graph (:mod:`selfattn.generation.compiled`) still pays per step for what surrounds its
-kernels: torch.compile's guards on every weight and cache, the Python wrapper that calls each
-product and attention, a start and an end of the threads' work at each of them, and the fused
-elementwise kernels between. Here the whole step is one call: the threads start once, every product
-and attention is split among them, and they meet at a barrier where an operation needs all of the
-one before (ten a layer); the norms, the rotation and the additions are a few thousand numbers, done
-by one thread between two barriers. It is faster than the graph's step at batch 1 and 8 (the A/B
-runs: ``docs/benchmarks.md``, "How the EPYC's batch-1 decode got here").
+The whole step is one call: the threads start once, every product and attention is split among them,
+and they meet at a barrier where an operation needs all of the one before (ten a layer); the norms, the
+rotation and the additions are done by one thread between two barriers. Why a step of its own rather
+than the compiled graph's: ``docs/design.md``, "The C++ decode step".
 
 The model it serves, described as data (``decode.cpp``'s arguments), never by a family's name: blocks
 ``x + post(attn(pre(x)))``, ``x + post(mlp(pre(x)))`` with the norms before, around or after each

@@ -6,10 +6,8 @@ Drafters (:class:`Speculative`'s ``method``, :func:`~selfattn.generation.generat
 - ``"lookup"``: prompt lookup (``transformers``' ``prompt_lookup_num_tokens``): the place in the
   prompt and the text generated so far whose last tokens agree longest with the text's last ones
   (a run of at least ``ngram`` tokens) is found; the tokens that followed it are the draft, as
-  many as the run is long: a copy that has held for long is likely to hold on. On SmolLM2's edit
-  answer it drafts in the rounds that accept and not in the others, and so beat drafts of the
-  round's length after the last 3-gram's first occurrence, simulated and measured
-  (``docs/benchmarks.md``, "Measurements the code cites"). No second model.
+  many as the run is long: a copy that has held for long is likely to hold on (why this draft:
+  ``docs/design.md``, "Speculative decoding"). No second model.
 - ``"self:N"``: self-speculation (LayerSkip's early exit): the model's first N blocks, then its
   final norm and head. What the draft writes into those blocks' caches is the model's own (the
   same weights on the same tokens), and so is the residual stream it leaves after block N: the
@@ -47,17 +45,12 @@ as every row has one, and treats ``eos_token`` as plain decoding does.
 
 The draft length adapts: it grows by 2 (up to ``max_k``) after a round where every draft stood
 and shrinks by 1 (down to 1) after one with a rejection; to 1 at once after a round where no
-draft stood when each draft cost a forward (early blocks, a draft model: SmolLM2's first 7
-blocks on a chat answer came closer to plain decoding so than shrinking by 1, as
-``docs/benchmarks.md``, "Measurements the code cites", has it; a miss of prompt lookup's free
-drafts costs only their place in the verification). When even a single
+draft stood when each draft cost a forward (early blocks, a draft model). When even a single
 draft misses, the next rounds draft nothing (a plain step each, one token through the model) for
 1, 4, 16, ... up to ``MAX_PAUSE`` rounds, quadrupling as long as the misses go on, until a round
 where every draft stands. Prompt lookup also drafts nothing where no run of ``ngram`` tokens
-agrees. So a drafter that keeps missing costs little more than plain decoding: SmolLM2's first 7
-blocks, whose drafts never stand, cost less with these pauses than with pauses doubling, and
-the edit workload's prompt lookup stayed as fast (a simulation from the measured forward costs,
-in the same section).
+agrees. So a drafter that keeps missing costs little more than plain decoding (why these steps:
+``docs/design.md``, "Speculative decoding").
 """
 from __future__ import annotations
 

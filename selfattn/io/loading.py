@@ -73,7 +73,16 @@ class Loaded:
 
 
 def load(path: str | os.PathLike, *, merge: bool = True) -> Loaded:
-    """The model at ``path`` (see the module docstring for the kinds of path).
+    """Load the model at ``path`` with what it needs to read and write text.
+
+    Args:
+        path: a run folder, a checkpoint file, a ``transformers`` folder or a GGUF file (the module
+            docstring says how each is read).
+        merge: merge a LoRA run's adapters into its base (False: keep them as adapters).
+
+    Returns:
+        a :class:`Loaded`: the model (on the CPU, in training mode), its tokenizer (or why it has
+        none), bos, eos, chat template and where it came from.
 
     Raises ``ValueError`` (a :class:`~selfattn.formats.checkpoint.CheckpointError` for a
     damaged file) naming the path when it holds no model this library can read, and naming the

@@ -71,9 +71,23 @@ OnEvent = Callable[[str, dict], None]
 
 def train(model_cfg: GPTConfig, cfg: TrainConfig, out: str | os.PathLike, *, resume_from: Path | None = None,
           on_event: OnEvent | None = None) -> TrainResult:
-    """Run the training loop in the run folder ``out``, holding its lock
-    (:mod:`selfattn.training.lock`). Raises :class:`Diverged` on a NaN/inf loss; every refusal
-    (a bad value, another corpus on resume) comes before anything in ``out`` is written."""
+    """Train a model of ``model_cfg`` as ``cfg`` says, in the run folder ``out``.
+
+    Args:
+        model_cfg: the model's :class:`~selfattn.config.GPTConfig` (its ``vocab_size`` is the tokenizer's).
+        cfg: the run's :class:`~selfattn.training.config.TrainConfig`.
+        out: the run folder (the module docstring lists what it holds), locked while the call runs
+            (:mod:`selfattn.training.lock`).
+        resume_from: the checkpoint to continue from (:func:`~selfattn.training.resume.resolve_configs`
+            finds it); None starts the run.
+        on_event: called on rank 0 with each event, ``on_event(kind, record)`` (:data:`OnEvent`).
+
+    Returns:
+        a :class:`TrainResult`: the run folder, its last step, the steps this call ran, the last
+        validation loss, the training rate and the newest checkpoint.
+
+    Raises :class:`Diverged` on a NaN/inf loss; every refusal (a bad value, another corpus on
+    resume) comes before anything in ``out`` is written."""
     with lock.hold(out):
         return _train(model_cfg, cfg, Path(out), resume_from, on_event)
 
