@@ -48,6 +48,11 @@ The public API beyond ``forward``: :meth:`GPT.hidden` (the stack on checked inpu
 blocks), :meth:`GPT.logits` (the head) and the checks ``check_idx``, ``check_attention_mask`` and
 ``check_cache``. Generation (:mod:`selfattn.generation`: ``generate``, compiled and kernel steps,
 speculative decoding, int8) sits above the model and uses only these.
+
+Taps. ``model.tap`` (None by default) is the one generic hook point: when set, the forward hands it the
+tensor at each named site (TransformerLens's names: ``hook_embed``, ``blocks.3.attn.hook_z``, ...) and goes
+on with what it returns (:mod:`selfattn.taps`); :mod:`selfattn.interp` builds hooks, caches and attribution
+on it. Unset, the forward is its own code, untouched.
 """
 from __future__ import annotations
 
@@ -64,6 +69,7 @@ from selfattn.config import MLP_KINDS, GPTConfig
 from selfattn.kv_cache import KVCache, RollingKVCache
 from selfattn.loss import head_cross_entropy
 from selfattn.self_attention import SelfAttention
+from selfattn.taps import Tap, normed, scoped, site
 
 if TYPE_CHECKING:  # the core never imports the distributed layer; a shard is handed in
     from selfattn.distributed import SequenceShard
@@ -85,8 +91,9 @@ class MLP(nn.Module):
         """The projection back into the residual stream."""
         return self.c_proj.weight
 
-    def forward(self, x: Tensor) -> Tensor:
-        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))  # (B, T, I) inside, (B, T, C) out
+    def forward(self, x: Tensor, tap: Tap | None = None) -> Tensor:
+        pre = site(tap, "hook_pre", self.c_fc(x))  # (B, T, I)
+        return self.dropout(self.c_proj(site(tap, "hook_post", self.gelu(pre))))  # (B, T, C)
 
 
 class GatedMLP(nn.Module):
@@ -106,9 +113,10 @@ class GatedMLP(nn.Module):
     def out_weight(self) -> Tensor:
         return self.down_proj.weight
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, tap: Tap | None = None) -> Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # (B, T, I) each
-        return self.dropout(self.down_proj(self.act(gate) * up))  # (B, T, C)
+        gate, up = site(tap, "hook_pre", gate), site(tap, "hook_pre_linear", up)
+        return self.dropout(self.down_proj(site(tap, "hook_post", self.act(gate) * up)))  # (B, T, C)
 
 
 class MoE(nn.Module):
@@ -142,11 +150,16 @@ class MoE(nn.Module):
     def out_weight(self) -> Tensor:
         return self.down_proj
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, tap: Tap | None = None) -> Tensor:
         B, T, C = x.shape
         tokens = x.reshape(B * T, C)  # (N, C)
         top, experts = self.router(tokens).topk(self.top_k, dim=-1)  # (N, k) logits and expert ids
         weights = top.softmax(dim=-1)  # (N, k)
+        if tap is not None:  # the routing as TransformerLens shows it: (N, E) weights, 0 off the top k; (N, k) ids
+            routed = tap("hook_expert_weights", weights.new_zeros(B * T, self.router.out_features).scatter(
+                1, experts, weights))
+            experts = tap("hook_expert_indices", experts)
+            weights = routed.gather(1, experts)  # (N, k) each token's weights at its (maybe re-routed) experts
         out = torch.zeros_like(tokens)  # (N, C)
         for e in experts.unique().tolist():
             weight = (weights * (experts == e)).sum(dim=-1, keepdim=True)  # (N, 1) expert e's weight, 0 if not routed
@@ -191,13 +204,17 @@ class Block(nn.Module):
 
     def forward(self, x: Tensor, *, key_padding_mask: Tensor | None = None, doc_ids: Tensor | None = None,
                 positions: Tensor | None = None, cache: KVCache | None = None, prefix_len: int | Tensor | None = None,
-                shard: SequenceShard | None = None, rope_angles: dict | None = None) -> Tensor:
-        x = x + self.post_ln_1(self.attn(self.ln_1(x), key_padding_mask=key_padding_mask, doc_ids=doc_ids,
-                                         positions=positions, cache=cache, prefix_len=prefix_len, shard=shard,
-                                         rope_angles=rope_angles))
+                shard: SequenceShard | None = None, rope_angles: dict | None = None, tap: Tap | None = None) -> Tensor:
+        x = site(tap, "hook_resid_pre", x)
+        y = self.attn(normed(self.ln_1, x, scoped(tap, "ln1.")), key_padding_mask=key_padding_mask, doc_ids=doc_ids,
+                      positions=positions, cache=cache, prefix_len=prefix_len, shard=shard, rope_angles=rope_angles,
+                      tap=scoped(tap, "attn."))
+        x = x + site(tap, "hook_attn_out", normed(self.post_ln_1, y, scoped(tap, "ln1_post.")))
         if self.mlp is not None:
-            x = x + self.post_ln_2(self.mlp(self.ln_2(x)))
-        return x
+            x = site(tap, "hook_resid_mid", x)
+            y = self.mlp(normed(self.ln_2, x, scoped(tap, "ln2.")), tap=scoped(tap, "mlp."))
+            x = x + site(tap, "hook_mlp_out", normed(self.post_ln_2, y, scoped(tap, "ln2_post.")))
+        return site(tap, "hook_resid_post", x)
 
 
 class GPT(nn.Module):
@@ -218,6 +235,7 @@ class GPT(nn.Module):
         if config.tie_embeddings:
             self.lm_head.weight = self.wte.weight  # tied: one (V, C) matrix embeds and un-embeds
         self.checkpointing = False  # True: blocks recompute their activations in the backward (less memory)
+        self.tap: Tap | None = None  # called at every named site of a forward when set (selfattn.taps, .interp)
         self._init_weights()
 
     @torch.no_grad()
@@ -358,10 +376,12 @@ class GPT(nn.Module):
             x = self.wte(idx)  # (B, T, C)
             if self.config.embedding_scale is not None:
                 x = x * torch.tensor(self.config.embedding_scale, dtype=x.dtype)  # the scale rounded to x's dtype
+            if self.ln_emb is None:
+                x = site(self.tap, "hook_embed", x)
             if self.wpe is not None:
-                x = x + self.wpe(positions)  # (B, T, C) + (T, C) or (B, T, C)
-            if self.ln_emb is not None:
-                x = self.ln_emb(x)
+                x = x + site(self.tap, "hook_pos_embed", self.wpe(positions).expand_as(x))  # (B, T, C)
+            if self.ln_emb is not None:  # TransformerLens's hook_embed is then the norm's output (BLOOM)
+                x = site(self.tap, "hook_embed", normed(self.ln_emb, x, scoped(self.tap, "embed_ln.")))
             x = self.drop(x)
         rope_positions = positions if self.wpe is None else None
         angles = {}  # each RoPE rule's cos and sin at these positions, computed once for all layers
@@ -369,9 +389,10 @@ class GPT(nn.Module):
         recompute = self.checkpointing and torch.is_grad_enabled()
         for i in range(start, stop):
             kw = dict(key_padding_mask=mask, doc_ids=doc_ids, positions=rope_positions,
-                      cache=None if cache is None else cache[i], prefix_len=prefix_len, shard=shard, rope_angles=angles)
+                      cache=None if cache is None else cache[i], prefix_len=prefix_len, shard=shard, rope_angles=angles,
+                      tap=scoped(self.tap, f"blocks.{i}."))
             x = checkpoint(self.blocks[i], x, use_reentrant=False, **kw) if recompute else self.blocks[i](x, **kw)
-        return self.ln_f(x) if stop == len(self.blocks) else x
+        return normed(self.ln_f, x, scoped(self.tap, "ln_final.")) if stop == len(self.blocks) else x
 
     def logits(self, h: Tensor) -> Tensor:
         """The LM head on hidden states ``h`` (..., C): logits (..., V), soft-capped if configured."""

@@ -27,6 +27,7 @@ from selfattn.norms import Norm
 from selfattn.rope import check_scaling, rope_tables, rotate
 from selfattn.rope import rope_angles as rope_angles_of
 from selfattn.scores import Scores, alibi_slopes, check_score_mod
+from selfattn.taps import Tap, normed, scoped, site
 
 if TYPE_CHECKING:  # the core never imports the distributed layer; a shard is handed in
     from selfattn.distributed import SequenceShard
@@ -37,8 +38,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = True, window: i
               dropout_p: float = 0.0, scale: float | None = None, backend: str = "auto",
               return_weights: bool = False, mask_mod: Callable | None = None, score_mod: Callable | None = None,
               alibi_slopes: Tensor | None = None, softcap: float | None = None, sinks: Tensor | None = None,
-              sink_tokens: int | None = None,
-              prefix_len: int | Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
+              sink_tokens: int | None = None, prefix_len: int | Tensor | None = None,
+              tap: Callable | None = None) -> Tensor | tuple[Tensor, Tensor]:
     """Scaled dot-product attention of ``q`` over ``k``, ``v``, computed by one backend.
 
     Args:
@@ -51,6 +52,10 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = True, window: i
         dropout_p: dropout on the weights. scale: the scores' scale, default ``D ** -0.5``.
         backend: ``"auto"``, ``"math"``, ``"sdpa"``, ``"tiled"``, ``"flex"`` or ``"triton"``.
         return_weights: return the weights too (the math backend only).
+        tap: ``tap(name, tensor) -> tensor`` (:mod:`selfattn.taps`) is shown the scores
+            ``hook_attn_scores`` (masked pairs at -inf) and the weights ``hook_pattern`` ``(B, H, T, S)``,
+            computed by the math backend; returned unchanged, the output is still the chosen backend's,
+            bitwise; replaced, the math backend goes on from them.
 
     Returns:
         the output ``(B, H, T, D)``; with ``return_weights=True``, ``(output, weights)``, the
@@ -87,6 +92,17 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = True, window: i
     if T == 0 or B == 0:
         empty = q * 0  # nothing to attend: an empty (B, H, T, D), still on the autograd graph
         return (empty, q.new_zeros(B, H, T, S)) if return_weights else empty
+    if tap is not None:
+        replaced = []
+
+        def watch(where: str, t: Tensor) -> Tensor:
+            shown = tap(where, t)
+            replaced.append(shown is not t)
+            return shown
+        out, weights = backends.load("math").run_with_weights(q, k, v, mask, scale=scale, dropout_p=dropout_p,
+                                                              scores=scores, tap=watch)
+        if any(replaced) or name == "math" or dropout_p > 0.0:
+            return (out, weights) if return_weights else out
     if return_weights:
         return impl.run_with_weights(q, k, v, mask, scale=scale, dropout_p=dropout_p, scores=scores)
     return impl.run(q, k, v, mask, scale=scale, dropout_p=dropout_p, scores=scores)
@@ -172,7 +188,8 @@ class SelfAttention(nn.Module):
     def forward(self, x: Tensor, *, key_padding_mask: Tensor | None = None, doc_ids: Tensor | None = None,
                 prefix_len: int | Tensor | None = None, positions: Tensor | None = None,
                 cache: KVCache | RollingKVCache | None = None, return_weights: bool = False,
-                shard: SequenceShard | None = None, rope_angles: dict | None = None) -> Tensor | tuple[Tensor, Tensor]:
+                shard: SequenceShard | None = None, rope_angles: dict | None = None,
+                tap: Tap | None = None) -> Tensor | tuple[Tensor, Tensor]:
         """``x`` (B, T, C) -> (B, T, C); with ``return_weights`` also the weights (B, H, T, S).
 
         key_padding_mask, doc_ids: ``(B, S)`` over every key position (cached ones included).
@@ -187,18 +204,25 @@ class SelfAttention(nn.Module):
             RoPE rule's tables (:func:`~selfattn.rope.rope_tables`) are computed by the first layer
             that needs them and reused by the others (a decode step would otherwise compute them
             once per layer).
+        tap: TransformerLens's sites of the attention (:mod:`selfattn.taps`): ``hook_q``, ``hook_k``,
+            ``hook_v`` ``(B, T, H or Hkv, D)``, the q/k norms' sites, ``hook_rot_q``, ``hook_rot_k``,
+            ``hook_attn_scores`` and ``hook_pattern`` ``(B, H, T, S)`` (when asked), ``hook_z``
+            ``(B, T, H, D)``, ``hook_result`` ``(B, T, H, C)`` (when asked).
         """
         _validate.embeddings("SelfAttention", x, self.n_embd)
         B, T, _ = x.shape
         H_D, Hkv_D = self.n_head * self.head_dim, self.n_kv_head * self.head_dim
         q, k, v = self.qkv(x).split([H_D, Hkv_D, Hkv_D], dim=2)  # (B, T, H·D), (B, T, Hkv·D) x2
+        if tap is not None:  # (B, T, H or Hkv, D) each
+            q, k, v = (tap(name, t.unflatten(2, (-1, self.head_dim))).flatten(2)
+                       for name, t in (("hook_q", q), ("hook_k", k), ("hook_v", v)))
         if self.q_norm is not None and self.qk_norm_over == "projection":
-            q, k = self.q_norm(q), self.k_norm(k)
+            q, k = self._qk_normed(q, k, tap)
         q = q.view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, H, T, D)
         k = k.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
         v = v.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
         if self.q_norm is not None and self.qk_norm_over == "head":
-            q, k = self.q_norm(q), self.k_norm(k)
+            q, k = self._qk_normed(q, k, tap)
         if shard is not None:
             self._check_shard(cache, return_weights, prefix_len)
         if self.rope:
@@ -216,6 +240,9 @@ class SelfAttention(nn.Module):
                 if rope_angles is not None:
                     rope_angles[rule] = tables
             q, k = rotate(q, *tables), rotate(k, *tables)
+            if tap is not None:  # (B, T, H or Hkv, D)
+                q, k = (tap(name, t.transpose(1, 2)).transpose(1, 2)
+                        for name, t in (("hook_rot_q", q), ("hook_rot_k", k)))
         if cache is not None:
             k, v = cache.append(k, v)  # (B, Hkv, S, D): the cached keys the queries need, and the T new ones
             if isinstance(cache, RollingKVCache):  # per-position masks follow the positions the keys hold
@@ -230,13 +257,40 @@ class SelfAttention(nn.Module):
                             dropout_p=self.dropout if self.training else 0.0, scale=self.scale, backend=self.backend,
                             return_weights=return_weights, sink_tokens=self.sink_tokens, prefix_len=prefix_len,
                             alibi_slopes=alibi_slopes(self.n_head).to(x.device) if self.alibi else None,
-                            softcap=self.softcap, sinks=self.sinks, mask_mod=self.mask_mod, score_mod=self.score_mod)
+                            softcap=self.softcap, sinks=self.sinks, mask_mod=self.mask_mod, score_mod=self.score_mod,
+                            tap=tap if tap is not None and (tap.asks("hook_attn_scores") or tap.asks("hook_pattern"))
+                            else None)
         y, weights = out if return_weights else (out, None)
-        y = y.transpose(1, 2).contiguous().view(B, T, H_D)  # (B, T, H, D) -> (B, T, H·D)
-        y = self.proj(y)  # (B, T, C)
+        y = site(tap, "hook_z", y.transpose(1, 2))  # (B, T, H, D)
+        if tap is not None and tap.asks("hook_result"):
+            y = self._written(y, tap)
+        else:
+            y = self.proj(y.contiguous().view(B, T, H_D))  # (B, T, H·D) -> (B, T, C)
         if self.training and self.dropout > 0.0:
             y = nn.functional.dropout(y, self.dropout)
         return (y, weights) if return_weights else y
+
+    def head_writes(self, z: Tensor) -> Tensor:
+        """What each head writes: ``z`` ``(B, T, H, D)`` through its slice of the output projection,
+        ``(B, T, H, C)`` (a LoRA adapter's delta included); summed over H, plus the bias, it is the output."""
+        weight = self.proj.weight
+        if hasattr(self.proj, "delta_weight"):  # selfattn.lora.LoRALinear
+            weight = weight + self.proj.delta_weight().to(weight.dtype)
+        return torch.einsum("bthd,chd->bthc", z, weight.view(-1, self.n_head, self.head_dim).to(z.dtype))
+
+    def _written(self, z: Tensor, tap: Tap) -> Tensor:
+        """The output projection of ``z`` ``(B, T, H, D)``, with each head's write shown as ``hook_result``:
+        returned unchanged, the projection's own product goes on, bitwise; replaced, its sum over heads."""
+        result = self.head_writes(z)  # (B, T, H, C)
+        shown = tap("hook_result", result)
+        if shown is result:
+            return self.proj(z.reshape(*z.shape[:2], -1))  # (B, T, C)
+        return shown.sum(2) + (0 if self.proj.bias is None else self.proj.bias)
+
+    def _qk_normed(self, q: Tensor, k: Tensor, tap: Tap | None) -> tuple[Tensor, Tensor]:
+        """q and k through their norms, with TransformerLens's q_norm, k_norm, hook_q_normed and hook_k_normed."""
+        return (site(tap, "hook_q_normed", normed(self.q_norm, q, scoped(tap, "q_norm."))),
+                site(tap, "hook_k_normed", normed(self.k_norm, k, scoped(tap, "k_norm."))))
 
     def _check_shard(self, cache, return_weights: bool, prefix_len) -> None:
         """What ring attention serves: causal attention with a window, padding and documents."""

@@ -6,6 +6,8 @@ in float32 (a float16 score overflows at 65504); the weights are cast back for `
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -32,9 +34,11 @@ def run(q: Tensor, k: Tensor, v: Tensor, mask: Mask, *, scale: float, dropout_p:
 
 
 def run_with_weights(q: Tensor, k: Tensor, v: Tensor, mask: Mask, *, scale: float, dropout_p: float = 0.0,
-                     scores: Scores | None = None) -> tuple[Tensor, Tensor]:
+                     scores: Scores | None = None, tap: Callable | None = None) -> tuple[Tensor, Tensor]:
     """Returns the output ``(B, H, T, D)`` and the attention weights ``(B, H, T, S)``
-    (before dropout; rows that see nothing are all zero; with sinks a row sums to less than one)."""
+    (before dropout; rows that see nothing are all zero; with sinks a row sums to less than one).
+    ``tap(name, tensor) -> tensor`` (:mod:`selfattn.taps`) sees and may replace the scores
+    ``hook_attn_scores`` (masked pairs at -inf) and the weights ``hook_pattern``."""
     B, H, T, S = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
     k, v = repeat_kv(k, H), repeat_kv(v, H)  # (B, H, S, D)
     if half(q.dtype):
@@ -47,6 +51,8 @@ def run_with_weights(q: Tensor, k: Tensor, v: Tensor, mask: Mask, *, scale: floa
     if not mask.is_full:
         allowed, empty = dense_mask(mask, T, S, q.device)
         att = att.masked_fill(~allowed, float("-inf"))
+    if tap is not None:
+        att = tap("hook_attn_scores", att)
     if scores is not None and scores.sinks is not None:  # one more logit per row, carrying no value
         sink = scores.sinks.to(att.dtype)[None, :, None, None].expand(B, H, T, 1)  # (B, H, T, 1)
         att = F.softmax(torch.cat([att, sink], dim=-1), dim=-1)[..., :S]  # (B, H, T, S)
@@ -54,7 +60,7 @@ def run_with_weights(q: Tensor, k: Tensor, v: Tensor, mask: Mask, *, scale: floa
         att = F.softmax(att, dim=-1)
     if empty is not None:
         att = att.masked_fill(empty, 0.0)
-    weights = att.to(v.dtype)
+    weights = att.to(v.dtype) if tap is None else tap("hook_pattern", att.to(v.dtype))
     dropped = F.dropout(weights, dropout_p) if dropout_p > 0.0 else weights
     return dropped @ v, weights  # (B, H, T, D), (B, H, T, S)
 

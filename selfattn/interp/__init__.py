@@ -1,0 +1,10 @@
+"""Interpretability on every model the library loads: TransformerLens's hook sites, caches, the
+logit lens and direct logit attribution (``docs/interp.md``).
+
+Above the model: it reaches the forward through the model's one generic hook point
+(:attr:`selfattn.model.GPT.tap`); generation, the backends and the kernels know nothing of it.
+"""
+from selfattn.interp.attribution import Attribution, direct_logit_attribution, logit_lens
+from selfattn.interp.sites import hooks, run_with_cache, sites
+
+__all__ = ["Attribution", "direct_logit_attribution", "hooks", "logit_lens", "run_with_cache", "sites"]
