@@ -246,7 +246,7 @@ def _check(servers: list[Server], loaded: Loaded, settings: Settings, device: to
     return answers
 
 
-def _stream(client: httpx.Client, server: Server, prompt: str, settings: Settings) -> dict:
+def _streamed_chat(client: httpx.Client, server: Server, prompt: str, settings: Settings) -> dict:
     """One streamed chat: its completion tokens, TTFT and the gaps between its chunks with text, in seconds."""
     body = {"model": "bench", "messages": _chat(prompt), "temperature": 0, "max_tokens": settings.max_tokens,
             "stream": True, "stream_options": {"include_usage": True}, **server.body}
@@ -274,7 +274,8 @@ def _client(server: Server, index: int, settings: Settings) -> list[dict]:
     """Client ``index``'s requests, one after the other."""
     fresh = httpx.Limits(max_keepalive_connections=0)  # a connection per request: llama-server may close idle ones
     with httpx.Client(timeout=settings.request_s, limits=fresh) as client:
-        return [_stream(client, server, PROMPTS[(index + j) % len(PROMPTS)], settings) for j in range(settings.reps)]
+        return [_streamed_chat(client, server, PROMPTS[(index + j) % len(PROMPTS)], settings)
+                for j in range(settings.reps)]
 
 
 def _load(server: Server, clients: int, settings: Settings) -> dict:

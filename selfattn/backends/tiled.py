@@ -45,7 +45,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from selfattn._util.seeds import stream_seed
+from selfattn._util.seeds import seed_for
 from selfattn._util.validate import positive_ints
 from selfattn.backends._common import half
 from selfattn.kernels.features import multiplies_natively
@@ -263,7 +263,7 @@ def _attend_backward(qs: Tensor, kw: Tensor, vw: Tensor, out: Tensor, lse: Tenso
 
 class _Part:
     """One group of batch rows as the kernels see it: its slice of every (B·Hkv, ...) tensor,
-    its mask, its tiles and its dropout streams."""
+    its mask, its tiles and the seeds of its dropout generators."""
 
     def __init__(self, group: Group, mask: Mask, scores: Scores, B: int, Hkv: int, G: int, scale: float,
                  starts: tuple[int, int], dropout_p: float, seed: int):
@@ -326,14 +326,14 @@ class _Part:
         rows = [None] if self.batch is None else self.batch.tolist()
         shape = (p.shape[0] // len(rows), *p.shape[1:])
         draws = [torch.rand(shape, generator=torch.Generator(device=p.device).manual_seed(
-            _stream(self.seed, b, t)), device=p.device, dtype=p.dtype) for b in rows]
+            _tile_seed(self.seed, b, t)), device=p.device, dtype=p.dtype) for b in rows]
         u = draws[0] if len(draws) == 1 else torch.cat(draws)
         return (u >= self.dropout_p).to(p.dtype).div_(1.0 - self.dropout_p)
 
 
-def _stream(seed: int, row: int | None, t: Tile) -> int:
+def _tile_seed(seed: int, row: int | None, t: Tile) -> int:
     """The generator seed of one tile (of one batch row; None: of all rows at once)."""
-    return stream_seed(seed, row, t.i0, t.k0)
+    return seed_for(seed, row, t.i0, t.k0)
 
 
 def _forward(qs: Tensor, k: Tensor, v: Tensor, part: _Part) -> tuple[Tensor, Tensor]:

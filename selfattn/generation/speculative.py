@@ -40,7 +40,7 @@ one new token after them; every cache is truncated to ``L + min_b v_b``, the pos
 agree on (a rolling cache has ``max_k`` extra slots for it, :class:`~selfattn.kv_cache.RollingKVCache`).
 A row that kept more has them committed and feeds them again, forced, next round. So each row
 accepts its own number of tokens while positions stay contiguous: windows, ALiBi, sink tokens
-and left padding behave as in plain decoding. The stream yields a token for every row as soon
+and left padding behave as in plain decoding. The iterator yields a token for every row as soon
 as every row has one, and treats ``eos_token`` as plain decoding does.
 
 The draft length adapts: it grows by 2 (up to ``max_k``) after a round where every draft stood
@@ -107,7 +107,7 @@ class Speculative:
     ngram: the shortest run of agreeing tokens prompt lookup drafts from. 4 rather than 3: 4 was
         the faster on SmolLM2's chat answer, whose short runs seldom go on, and on its edit answer
         (simulated from the measured forward costs; the same section).
-    stats: a :class:`SpeculationStats`, added to by every run (read it after the stream ends).
+    stats: a :class:`SpeculationStats`, added to by every run (read it after the iterator is exhausted).
     """
 
     def __init__(self, method: str | GPT = "lookup", *, k: int = 4, max_k: int = FEW - 1, ngram: int = 4):

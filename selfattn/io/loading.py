@@ -9,7 +9,7 @@ folder written by ``transformers``' ``save_pretrained``, or a GGUF file of llama
   ``tokenizer.json`` or ``vocab.json`` + ``merges.txt``; the families of :mod:`selfattn.families`
   from ``config.json`` and ``model.safetensors`` (or its shards) by their mapping, without
   ``transformers`` (:mod:`selfattn.formats.hf_folder`): the tokenizer from ``tokenizer.json`` when
-  :class:`~selfattn.tokenizers.BPETokenizer` streams it (byte-level or SentencePiece-style BPE),
+  :class:`~selfattn.tokenizers.BPETokenizer` decodes it token by token (byte-level or SentencePiece-style BPE),
   else none (:meth:`Loaded.require_tokenizer` says so); the bos, eos and chat template beside it.
   Any other ``model_type`` is refused, naming it and the file;
 - GGUF file (``.gguf``, or any file that starts as one; :mod:`selfattn.formats.gguf`): its

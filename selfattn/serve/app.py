@@ -22,7 +22,7 @@ from selfattn.serve.engine import Engine
 from selfattn.serve.errors import APIError
 from selfattn.serve.jobs import Failed, Finished, Job, Prompt, Sampling, Token
 from selfattn.serve.responses import Answer, Writer, event
-from selfattn.serve.stops import TextStream
+from selfattn.serve.stops import Detokenizer
 
 try:
     from fastapi import FastAPI, Request
@@ -100,10 +100,10 @@ def create_app(loaded: Loaded, engine: Engine, *, name: str, api_key: str | None
         ids = prompts.chat_ids(loaded, body.messages)
         channel, logprobs = Channel(engine), (body.top_logprobs or 0) if body.logprobs else None
         channel.submit([Job(ids, prompts.new_tokens(loaded, body, len(ids), "messages"), _sampling(body), loaded.eos,
-                            TextStream(tokenizer, body.stops()), channel.emitter(0), logprobs=logprobs)])
+                            Detokenizer(tokenizer, body.stops()), channel.emitter(0), logprobs=logprobs)])
         writer = Writer(name, tokenizer, "chatcmpl")
         if body.stream:
-            return _streamed(_chat_chunks(channel, writer, logprobs is not None, body.include_usage()))
+            return _sse_response(_chat_chunks(channel, writer, logprobs is not None, body.include_usage()))
         answers = await _answers(request, channel)
         return Response(status_code=GONE) if answers is None else writer.chat(answers[0], logprobs is not None)
 
@@ -115,12 +115,12 @@ def create_app(loaded: Loaded, engine: Engine, *, name: str, api_key: str | None
         ids = prompts.completion_ids(loaded, given)
         channel, echo = Channel(engine), bool(body.echo)
         channel.submit([Job(p, prompts.new_tokens(loaded, body, len(p), "prompt"), _sampling(body), loaded.eos,
-                            TextStream(tokenizer, body.stops()), channel.emitter(i), logprobs=body.logprobs,
+                            Detokenizer(tokenizer, body.stops()), channel.emitter(i), logprobs=body.logprobs,
                             prompt_logprobs=body.logprobs if echo else None) for i, p in enumerate(ids)])
         echoed = [(p if isinstance(p, str) else tokenizer.decode(i)) if echo else "" for p, i in zip(given, ids)]
         writer = Writer(name, tokenizer, "cmpl")
         if body.stream:
-            return _streamed(_completion_chunks(channel, writer, echoed, body.logprobs is not None,
+            return _sse_response(_completion_chunks(channel, writer, echoed, body.logprobs is not None,
                                                 body.include_usage()))
         answers = await _answers(request, channel)
         if answers is None:
@@ -164,7 +164,7 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-def _streamed(chunks: AsyncIterator[str]) -> StreamingResponse:
+def _sse_response(chunks: AsyncIterator[str]) -> StreamingResponse:
     return StreamingResponse(chunks, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 

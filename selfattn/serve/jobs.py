@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from selfattn.serve.stops import TextStream
+from selfattn.serve.stops import Detokenizer
 
 Alternatives = tuple[tuple[int, float], ...]  # (token, log-probability), most probable first
 
@@ -37,7 +37,7 @@ class Job:
     max_new: int
     sampling: Sampling
     stop_tokens: tuple[int, ...]
-    text: TextStream
+    text: Detokenizer
     emit: Callable[[object], None]
     logprobs: int | None = None
     prompt_logprobs: int | None = None
@@ -66,7 +66,7 @@ class Prompt:
 @dataclass(frozen=True)
 class Finished:
     """The job is done: ``reason`` ``"stop"`` (a stop token or string) or ``"length"`` (``max_new``
-    tokens); ``text`` is what the text stream still held; the counts are tokens."""
+    tokens); ``text`` is what the detokenizer still held; the counts are tokens."""
     reason: str
     text: str
     prompt_tokens: int

@@ -9,7 +9,7 @@ from __future__ import annotations
 import codecs
 
 
-class TextStream:
+class Detokenizer:
     """Tokens in (:meth:`push`), text out; ``tokenizer`` gives each token's bytes (``token_bytes``),
     ``stops`` are the strings that end the text (left out of it)."""
 

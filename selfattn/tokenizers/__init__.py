@@ -10,9 +10,9 @@ conversation into text.
 - :mod:`~selfattn.tokenizers.gguf`: the tokenizer a GGUF file describes in its metadata;
 - :mod:`~selfattn.tokenizers.chat`: chat templates, rendered as ``transformers`` renders them.
 
-Every tokenizer turns one token into its bytes (``token_bytes``), so text can be streamed token by
-token (:func:`selfattn.generation.text.text_pieces`), and describes itself as a JSON-ready ``spec()`` that
-a checkpoint stores and :func:`from_spec` reads back.
+Every tokenizer turns one token into its bytes (``token_bytes``), so text can be decoded token by
+token as it is generated (:func:`selfattn.generation.text.text_pieces`), and describes itself as a
+JSON-ready ``spec()`` that a checkpoint stores and :func:`from_spec` reads back.
 """
 from __future__ import annotations
 

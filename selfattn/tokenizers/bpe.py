@@ -1,4 +1,4 @@
-"""``BPETokenizer``: a ``tokenizers.Tokenizer`` that streams byte-exactly.
+"""``BPETokenizer``: a ``tokenizers.Tokenizer`` whose tokens decode one at a time, byte-exactly.
 
 Two ways of writing a token's bytes as its piece are read, told apart by the tokenizer's decoder:
 
@@ -7,7 +7,7 @@ Two ways of writing a token's bytes as its piece are read, told apart by the tok
 - SentencePiece-style (Llama 2's, Mistral's; a ``Metaspace`` decoder, or one that replaces ``▁``
   and falls back to bytes): ``▁`` stands for a space, ``<0xNN>`` for a byte the vocabulary lacks.
 
-A tokenizer of another kind (WordPiece, say) is not one :class:`BPETokenizer` can stream:
+A tokenizer of another kind (WordPiece, say) is not one :class:`BPETokenizer` can decode token by token:
 :func:`scheme` says None for it. Special and added tokens (``<|endoftext|>``, ``<|im_start|>``)
 are literal text. Byte-level BPE is trained locally with the ``tokenizers`` library (nothing is
 downloaded), or read from a ``tokenizer.json`` such as GPT-2's or from a model folder.
@@ -29,7 +29,7 @@ SPACE = "\u2581"  # ▁, SentencePiece's space
 
 class BPETokenizer:
     """A ``tokenizers.Tokenizer`` whose tokens turn into bytes one at a time (``token_bytes``), so
-    text streams byte-exactly; refused (ValueError) when :func:`scheme` does not know its pieces."""
+    text decodes token by token, byte-exactly; refused (ValueError) when :func:`scheme` does not know its pieces."""
 
     def __init__(self, tok, where: str = "the tokenizer"):
         self.tok = tok
@@ -37,7 +37,7 @@ class BPETokenizer:
         self.scheme = scheme(tok)
         if self.scheme is None:
             raise ValueError(f"{where} writes its tokens neither as byte-level BPE nor SentencePiece-style "
-                             f"pieces (its decoder is {_decoder_names(tok)}), so it cannot stream text")
+                             f"pieces (its decoder is {_decoder_names(tok)}), so it cannot decode text token by token")
         self._byte_of = {ch: b for b, ch in bytes_to_unicode().items()}
         self._special = {t.content for t in tok.get_added_tokens_decoder().values()}  # e.g. <|endoftext|>
 
@@ -124,7 +124,7 @@ def parse(serialised: str, where: str):
 
 def scheme(tok) -> str | None:
     """How ``tok`` writes a token's bytes as its piece: :data:`BYTE_LEVEL`, :data:`SENTENCEPIECE`,
-    or None for a kind :class:`BPETokenizer` does not stream. Told by the decoder, which undoes it."""
+    or None for a kind :class:`BPETokenizer` does not decode token by token. Told by the decoder, which undoes it."""
     decoders = _decoders(tok)
     types = {d.get("type") for d in decoders}
     if "ByteLevel" in types:

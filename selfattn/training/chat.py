@@ -48,7 +48,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from selfattn._util.seeds import stream_seed
+from selfattn._util.seeds import seed_for
 from selfattn._util.validate import short_json
 from selfattn.loss import IGNORE
 from selfattn.tokenizers import BPETokenizer
@@ -299,4 +299,4 @@ def _epoch_rows(n_rows: int, seed: int, tag: str, step: int, batch_size: int) ->
 @lru_cache(maxsize=4)
 def _order(n_rows: int, seed: int, tag: str, epoch: int) -> Tensor:
     """The order in which epoch ``epoch`` reads the ``n_rows`` rows: ``(n_rows,)`` int64."""
-    return torch.randperm(n_rows, generator=torch.Generator().manual_seed(stream_seed(seed, tag, "epoch", epoch)))
+    return torch.randperm(n_rows, generator=torch.Generator().manual_seed(seed_for(seed, tag, "epoch", epoch)))

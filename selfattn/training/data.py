@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from selfattn._util import files as _files
-from selfattn._util.seeds import stream_seed
+from selfattn._util.seeds import seed_for
 from selfattn.tokenizers import BPETokenizer, ByteTokenizer, from_spec
 
 MAX_CORPUS_BYTES = 4 * 2 ** 30  # the corpus is read and tokenized whole, in memory: past this, refused
@@ -92,8 +92,8 @@ class Corpus:
 
     def batch(self, split: str, *, seed: int, step: int, batch_size: int, part: int = 0,
               parts: int = 1) -> tuple[Tensor, Tensor, None]:
-        """:func:`batch` of split ``split`` (``"train"`` or ``"val"``, also the name of its random
-        stream) in rows of ``block_size``: ``(x, y, None)``, no doc ids (a window is one text)."""
+        """:func:`batch` of split ``split`` (``"train"`` or ``"val"``, also a part of its
+        generator's seed) in rows of ``block_size``: ``(x, y, None)``, no doc ids (a window is one text)."""
         if split not in ("train", "val"):
             raise ValueError(f"split must be 'train' or 'val', got {split!r}")
         x, y = batch(getattr(self, split), seed=seed, step=step, batch_size=batch_size, block_size=self.block_size,
@@ -158,7 +158,7 @@ def batch(split: Tensor, *, seed: int, step: int, batch_size: int, block_size: i
     batch a single process would, each touching only its own rows of the memory map.
     """
     mine = part_of(batch_size, part, parts)
-    g = torch.Generator().manual_seed(stream_seed(seed, tag, step))
+    g = torch.Generator().manual_seed(seed_for(seed, tag, step))
     starts = torch.randint(0, len(split) - block_size, (batch_size,), generator=g)[mine]
     chunk = torch.stack([split[s:s + block_size + 1] for s in starts.tolist()]).long()  # (rows, block_size + 1)
     return chunk[:, :-1], chunk[:, 1:]

@@ -10,7 +10,7 @@ The configs a run starts from are :mod:`selfattn.training.resume`'s (:func:`~sel
 whose :class:`~selfattn.training.config.TrainConfig` is :mod:`selfattn.training.config`'s.
 
 Determinism by construction: the rows of step s and its dropout masks come from seeds derived
-from (seed, step, rank), never from a stream consumed by earlier steps, so a checkpoint needs
+from (seed, step, rank), never from a generator consumed by earlier steps, so a checkpoint needs
 no RNG state beyond the integers (seed, step), and any world size reads the same global batch.
 
 Distributed (:mod:`selfattn.training.parallel`): the same call under ``torchrun
@@ -40,7 +40,7 @@ from torch import Tensor, nn
 from selfattn._util import files as _files
 from selfattn._util import plot as _plot
 from selfattn._util import validate as _validate
-from selfattn._util.seeds import stream_seed
+from selfattn._util.seeds import seed_for
 from selfattn.config import GPTConfig
 from selfattn.distributed import SequenceShard
 from selfattn.loss import IGNORE
@@ -216,7 +216,7 @@ class _Run:
         cfg, world = self.cfg, self.world
         for group in self.optimizer.param_groups:
             group["lr"] = lr_at(step, cfg)
-        torch.manual_seed(stream_seed(cfg.seed, "dropout", self.rank, step))
+        torch.manual_seed(seed_for(cfg.seed, "dropout", self.rank, step))
         rows = self.rows
         micros = [self.corpus.batch("train", seed=cfg.seed, step=step, batch_size=cfg.batch_size,
                                     part=micro * rows.parts + rows.part, parts=rows.parts * cfg.grad_accum)

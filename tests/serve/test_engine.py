@@ -10,7 +10,7 @@ from selfattn.generation.layout import FEW
 from selfattn.serve import rows
 from selfattn.serve.engine import Busy, Engine
 from selfattn.serve.jobs import Finished, Job, Sampling
-from selfattn.serve.stops import TextStream
+from selfattn.serve.stops import Detokenizer
 
 from helpers.serving import EOS, Collector, chat_ids, solo, tiny, until
 
@@ -25,7 +25,7 @@ VARIANTS = {  # tiny models whose rows must keep their bits: positions learned o
 
 
 def _job(loaded, ids, n, collector, **sampling) -> Job:
-    return Job(ids, n, Sampling(**{"temperature": 0.0, **sampling}), loaded.eos, TextStream(loaded.tokenizer),
+    return Job(ids, n, Sampling(**{"temperature": 0.0, **sampling}), loaded.eos, Detokenizer(loaded.tokenizer),
                collector)
 
 
@@ -141,7 +141,7 @@ def test_prompt_logprobs_alone_when_nothing_is_generated():
     try:
         collector = Collector()
         ids = chat_ids(loaded, "score me")
-        engine.submit([Job(ids, 0, Sampling(), (), TextStream(loaded.tokenizer), collector, prompt_logprobs=2)])
+        engine.submit([Job(ids, 0, Sampling(), (), Detokenizer(loaded.tokenizer), collector, prompt_logprobs=2)])
         collector.wait()
     finally:
         assert engine.stop()

@@ -2,23 +2,23 @@
 stop string, held back while it may be starting one."""
 import pytest
 
-from selfattn.serve.stops import TextStream
+from selfattn.serve.stops import Detokenizer
 from selfattn.tokenizers import ByteTokenizer
 
 
-def _pieces(text: str, stops=()) -> tuple[list[str], TextStream]:
-    stream = TextStream(ByteTokenizer(), stops)
+def _pieces(text: str, stops=()) -> tuple[list[str], Detokenizer]:
+    detok = Detokenizer(ByteTokenizer(), stops)
     pieces = []
     for byte in text.encode():
-        pieces.append(stream.push(byte))
-        if stream.stopped:
+        pieces.append(detok.push(byte))
+        if detok.stopped:
             break
-    return pieces + [stream.flush()], stream
+    return pieces + [detok.flush()], detok
 
 
 def test_a_character_split_across_tokens_comes_whole():
-    pieces, stream = _pieces("aé€")
-    assert pieces == ["a", "", "é", "", "", "€", ""] and not stream.stopped
+    pieces, detok = _pieces("aé€")
+    assert pieces == ["a", "", "é", "", "", "€", ""] and not detok.stopped
 
 
 @pytest.mark.parametrize("text, stops, let_out, stopped", [
@@ -30,18 +30,18 @@ def test_a_character_split_across_tokens_comes_whole():
     ("é!", ("\u00e9",), "", True),  # a stop string of a character of two bytes
 ])
 def test_the_text_ends_before_the_first_stop_string(text, stops, let_out, stopped):
-    pieces, stream = _pieces(text, stops)
-    assert "".join(pieces) == let_out and stream.stopped == stopped
+    pieces, detok = _pieces(text, stops)
+    assert "".join(pieces) == let_out and detok.stopped == stopped
 
 
 def test_held_text_is_let_out_as_soon_as_no_stop_string_can_start_there():
-    stream = TextStream(ByteTokenizer(), ("abc",))
-    assert [stream.push(b) for b in b"xabx"] == ["x", "", "", "abx"]
+    detok = Detokenizer(ByteTokenizer(), ("abc",))
+    assert [detok.push(b) for b in b"xabx"] == ["x", "", "", "abx"]
 
 
 def test_nothing_follows_a_stop_string_and_empty_stop_strings_are_refused():
-    _, stream = _pieces("ab", ("b",))
+    _, detok = _pieces("ab", ("b",))
     with pytest.raises(ValueError, match="ended at a stop string"):
-        stream.push(1)
+        detok.push(1)
     with pytest.raises(ValueError, match="non-empty strings, got"):
-        TextStream(ByteTokenizer(), ("",))
+        Detokenizer(ByteTokenizer(), ("",))
