@@ -125,9 +125,10 @@ def test_tokenizers_formats_and_models_import_nothing_above_them():
 # the config and the model know nothing of generation, loading, families, training, the tools or the commands
 AT_OR_BELOW_THE_MODEL = ("selfattn.self_attention", "selfattn.masks", "selfattn.scores", "selfattn.rope",
                          "selfattn.norms", "selfattn.kv_cache", "selfattn.kernels", "selfattn.backends",
-                         "selfattn.config", "selfattn.loss", "selfattn.model")
+                         "selfattn.config", "selfattn.loss", "selfattn.model", "selfattn.taps")
 ABOVE_THE_MODEL = ("selfattn.generation", "selfattn.io", "selfattn.families", "selfattn.tokenizers", "selfattn.lora",
-                   "selfattn.training", "selfattn.serve", "selfattn.audit", "selfattn.analysis", "selfattn.cli")
+                   "selfattn.training", "selfattn.serve", "selfattn.audit", "selfattn.analysis", "selfattn.interp",
+                   "selfattn.cli")
 
 
 def _imports_of(graph: dict[str, set[str]], rooms: tuple[str, ...], forbidden: tuple[str, ...]) -> list[str]:
@@ -146,6 +147,14 @@ def test_nothing_at_or_below_the_model_imports_what_sits_above_it():
                                                      "selfattn.cli"))  # loading reads checkpoints; training writes them
     assert _imports_of({"selfattn.model": {"selfattn.generation.steps"}}, AT_OR_BELOW_THE_MODEL,
                        ABOVE_THE_MODEL) == ["selfattn.model -> selfattn.generation.steps"]  # negative control
+
+
+def test_interpretability_sits_above_the_model_and_beside_generation():
+    graph = _graph()  # the model reaches interp's hooks only through its generic tap (selfattn.taps)
+    assert "selfattn.interp" in graph and "selfattn.taps" in graph
+    assert not _imports_of(graph, ("selfattn.generation", "selfattn.serve"), ("selfattn.interp",))
+    assert _imports_of({"selfattn.generation.generate": {"selfattn.interp.sites"}}, ("selfattn.generation",),
+                       ("selfattn.interp",)) == ["selfattn.generation.generate -> selfattn.interp.sites"]  # control
 
 
 def _private_uses(paths: list[Path], private: set[str]) -> list[str]:
