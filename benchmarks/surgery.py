@@ -124,7 +124,7 @@ def run(settings: Settings, device: torch.device, *, log=print) -> dict:
         f"{settings.windows} windows of {settings.context} held-out tokens")
     rows = []
     for label, model in models.items():
-        e = perplexity(model, held, window=settings.context)
+        e = perplexity(model, held, context=settings.context)
         rows.append({"model": label, "perplexity": e.perplexity, "loss": e.loss, "tokens": e.tokens,
                      "cache_bytes": _cache_bytes(model, settings.context + settings.new_tokens)})
         log(f"{label}: perplexity {e.perplexity:.3f}")

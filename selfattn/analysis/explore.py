@@ -159,14 +159,15 @@ def _check_tokens(tokens, config) -> Tensor:
 
 @torch.no_grad()
 def _forward(model: GPT, idx: Tensor) -> tuple[Tensor, Tensor]:
-    """The captured weights of every layer ``(L, H, T, T)`` and the logits ``(T, V)``, in eval mode."""
+    """The captured weights of every layer ``(L, H, T, T)`` and the logits ``(T, V)``, in eval mode,
+    float32 on the CPU whatever the model's device and dtype."""
     was = model.training
     try:
         with capture(model.eval()) as maps:
-            logits = model(idx[None])[0][0].float()  # (T, V)
+            logits = model(idx[None].to(next(model.parameters()).device))[0][0].float().cpu()  # (T, V)
     finally:
         model.train(was)
-    att = torch.stack([maps[i][0].float() for i in sorted(maps)])  # (L, H, T, T)
+    att = torch.stack([maps[i][0].float().cpu() for i in sorted(maps)])  # (L, H, T, T)
     if att.triu(1).any():
         raise ValueError("the captured weights attend to future keys; the page shows causal attention only")
     return att, logits

@@ -89,11 +89,13 @@ def model_cases(name: str, gpt: GPT, T: int, audit: dict, B: int = 2) -> list[Ca
     """A GPT's causality on random token ids; for each window its config says layers slide over,
     the first such layer's attention against that window's rule (on random embeddings); its KV caches
     (rolling for windowed layers): a prompt of T // 2 tokens, the rest new. A window of T or
-    more cannot be told from causality at T: its case is refused, naming the --seq-len it needs."""
+    more cannot be told from causality at T: its case is refused, naming the --seq-len it needs.
+    The inputs are drawn on the CPU and moved to the model's device, in its dtype."""
     if T > gpt.config.block_size:
         raise ValueError(f"--seq-len {T} is more than {name}'s block_size={gpt.config.block_size}; pass "
                          f"--seq-len {gpt.config.block_size} or less")
-    ids = torch.randint(0, gpt.config.vocab_size, (B, T))
+    device = next(gpt.parameters()).device
+    ids = torch.randint(0, gpt.config.vocab_size, (B, T)).to(device)
     cases = [_causal(name, gpt, ids, audit)]
     first = {}  # window -> the first layer sliding over it
     for i in range(gpt.config.n_layer):
@@ -104,7 +106,7 @@ def model_cases(name: str, gpt: GPT, T: int, audit: dict, B: int = 2) -> list[Ca
             cases.append(Case(case, lambda: None, f"window {window} >= --seq-len {T}: pass --seq-len {window + 1} "
                                                   f"or more to audit it"))
             continue
-        x = torch.randn(B, T, attn.n_embd, dtype=attn.qkv.weight.dtype)  # (B, T, C)
+        x = torch.randn(B, T, attn.n_embd).to(device, attn.qkv.weight.dtype)  # (B, T, C)
         cases.append(_causal(case, attn, x, audit, window=window, sink_tokens=attn.sink_tokens))
     return cases + [Case(f"{name} kv-cache", lambda: check_cache(gpt, ids[:, :T // 2], T - T // 2))]
 

@@ -14,36 +14,69 @@ import importlib
 import os
 import signal
 import sys
+import textwrap
 
-# name -> (module, one-line help); a module is imported only when its command runs.
-COMMANDS = {  # name -> one-line help; the module is selfattn.cli.<name>
-    "demo": "the seed's worked example, computed live: shape walk, parameters, causality",
-    "check": "audit causality: every backend x option, a tiny GPT and its KV cache, or your module",
-    "train": "train a GPT on text (built-in corpus or --data); torchrun for DDP/FSDP; --resume",
-    "sample": "stream text (or a chat answer) from a trained run, a transformers folder or a GGUF file",
-    "eval": "a model's loss and perplexity on a text file, over sliding windows as transformers' guide reads it",
-    "heads": "attention maps and ranked head roles (previous-token, induction) of a model",
-    "induction": "train a 2-layer attention-only GPT until induction heads form; 4 heads vs 1",
-    "scaling": "why scores are scaled by 1/sqrt(head_dim): the softmax at init, three scalings",
-    "explore": "one self-contained HTML page: head view, model view, head roles, next-token predictions",
-    "export": "write a folder transformers loads (AutoModelForCausalLM, pipeline) or a GGUF file llama.cpp runs",
-    "calibrate": "time auto's candidate backends on this machine and keep the fastest for auto to follow",
-    "serve": "an OpenAI-compatible HTTP server (chat, completions, streaming) that batches requests continuously",
+# what a user does -> {command: one-line help}; the module of a command is selfattn.cli.<command>, imported
+# only when that command runs
+GROUPS = {
+    "use a model": {
+        "sample": "generate text (or a chat answer) from a run, a transformers folder or a GGUF file",
+        "eval": "a model's loss and perplexity on a text file, or on a chat file's answers",
+        "serve": "an OpenAI-compatible HTTP server (chat, completions, streamed answers), batching continuously",
+        "export": "write a folder transformers loads (AutoModelForCausalLM, pipeline) or a GGUF file llama.cpp runs",
+    },
+    "adapt it": {
+        "train": "train a GPT on text, or fine-tune one (--init-from, LoRA); torchrun for DDP/FSDP; --resume",
+    },
+    "look inside": {
+        "check": "audit causality: every backend x option, a tiny GPT and its cache, a model, or your module",
+        "explore": "one self-contained HTML page: head view, model view, head roles, next-token predictions",
+        "heads": "attention maps and ranked head roles (previous-token, induction) of a model",
+        "induction": "train a 2-layer attention-only GPT until induction heads form; 4 heads vs 1",
+        "scaling": "why scores are scaled by 1/sqrt(head_dim): the softmax at init, three scalings",
+        "demo": "the seed's worked example, computed live: shape walk, parameters, causality",
+    },
+    "measure": {
+        "calibrate": "time auto's candidate backends on this machine and keep the fastest for auto to follow",
+    },
 }
+COMMANDS = {name: help_text for group in GROUPS.values() for name, help_text in group.items()}
+BENCHMARKS = "python -m benchmarks SUITE: the benchmark suites (a source checkout; --help lists them)"
+
+
+def _listing() -> str:
+    """``selfattn --help``'s commands, grouped by what a user does."""
+    lines = ["Causal multi-head self-attention from scratch.", ""]
+    for group, commands in GROUPS.items():
+        lines.append(f"{group}:")
+        for name, help_text in commands.items():
+            lines += textwrap.wrap(help_text, 112, initial_indent=f"  {name:<11}", subsequent_indent=" " * 13)
+        if group == "measure":
+            lines += textwrap.wrap(BENCHMARKS, 112, initial_indent="  ", subsequent_indent=" " * 13)
+        lines.append("")
+    return "\n".join(lines + ["selfattn COMMAND --help: a command's flags, and an example."])
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Flags with their defaults; the description and the example as written."""
 
 
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:
-    """The parser; only the chosen sub-command's module is imported (``--help`` imports none)."""
-    parser = argparse.ArgumentParser(prog="selfattn", description="Causal multi-head self-attention from scratch.")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    """The parser; only the chosen sub-command's module is imported (``--help`` imports none).
+    A command's help ends with its module's ``EXAMPLE``. Flags are never abbreviated: a renamed
+    or misspelt flag is refused, never taken for a longer one."""
+    parser = argparse.ArgumentParser(prog="selfattn", usage="selfattn [-h] COMMAND ...", description=_listing(),
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True, help=argparse.SUPPRESS,
+                                prog="selfattn")
     chosen = next((a for a in argv if not a.startswith("-")), None)
     for name, help_text in COMMANDS.items():
         if name != chosen:
-            sub.add_parser(name, help=help_text)
+            sub.add_parser(name)
             continue
         mod = importlib.import_module(f"selfattn.cli.{name}")
-        p = sub.add_parser(name, help=help_text, description=(mod.__doc__ or help_text).strip().split("\n\n")[0],
-                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        p = sub.add_parser(name, description=(mod.__doc__ or help_text).strip().split("\n\n")[0],
+                           epilog=f"example:\n  {mod.EXAMPLE}", formatter_class=_HelpFormatter, allow_abbrev=False)
         mod.add_arguments(p)
         p.set_defaults(_main=mod.main, _parser=p)  # a command with sub-commands may set its own _parser
     return parser

@@ -2,8 +2,8 @@
 keep the fastest of each, which ``auto`` then follows (:mod:`selfattn.backends.calibrate`).
 
 ``selfattn calibrate`` measures (about ten minutes on 2 cores; ``--quick``, about one) and writes this
-machine's cache file; ``--show`` says what ``auto`` follows here and times nothing; ``--out DIR`` keeps
-the measurements as ``DIR/calibrate.json`` too.
+machine's cache file; ``--show`` says what ``auto`` follows here and times nothing; ``--out FOLDER``
+keeps the measurements as ``FOLDER/calibrate.json`` too.
 """
 from __future__ import annotations
 
@@ -16,25 +16,28 @@ import torch
 from selfattn._util import files as _files
 from selfattn._util import validate as _validate
 from selfattn.backends import calibrate
+from selfattn.cli import flags
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 QUICK = dict(kinds=("window-256", "docs-16", "causal"), lengths=(256, 1024), n_head=2, reps=3)
+EXAMPLE = "selfattn calibrate --quick --out out/calibrate"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--show", action="store_true", help="say what auto follows on this machine; time nothing")
-    p.add_argument("--kinds", "--masks", dest="kinds", nargs="+", choices=calibrate.KINDS, default=None,
+    p.add_argument("--kinds", nargs="+", choices=calibrate.KINDS, default=None,
                    help="the masks and score rules to time (default: all)")
     p.add_argument("--lengths", type=int, nargs="+", default=None,
                    help=f"sequence lengths T = S (default {' '.join(map(str, calibrate.LENGTHS))})")
-    p.add_argument("--dtypes", "--dtype", nargs="+", choices=tuple(DTYPES), default=None,
+    p.add_argument("--dtypes", nargs="+", choices=tuple(DTYPES), default=None,
                    help="dtypes (default: float32, and bfloat16 where the hardware computes it natively)")
     p.add_argument("--reps", type=int, default=None, help="timed calls per backend, the median kept (default 5)")
     p.add_argument("--quick", action="store_true", help="three kinds, two lengths, two heads: about a minute")
-    p.add_argument("--device", default="auto", help="cpu, cuda, ... (default auto: the accelerator if any)")
+    flags.add_device(p)
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads, part of the machine's fingerprint (default: every core available)")
-    p.add_argument("--out", default=None, help="also write DIR/calibrate.json with the measurements")
+    p.add_argument("--out", default=None, metavar="FOLDER",
+                   help="folder to write calibrate.json in too, with the measurements")
 
 
 def main(args: argparse.Namespace) -> int:

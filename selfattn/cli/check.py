@@ -8,7 +8,9 @@ T×T dependence picture) below its line. The exit status is 1 when any case fail
 ``--module pkg.mod:factory`` imports ``factory``, calls it with no arguments and audits the
 module it returns on a random input of ``--shape``: token ids when it has an input embedding
 (``get_input_embeddings()`` or ``.wte``), else embeddings. ``--ckpt PATH`` audits a trained
-model: a run folder, a checkpoint file or a GPT-2 folder, as ``selfattn sample`` takes.
+model: a run folder, a checkpoint file, a transformers folder or a GGUF file, as ``selfattn sample``
+takes, on ``--device`` in ``--dtype``. The built-in audits run on ``--device`` too (the backends that
+cannot run there are listed as skipped), each in the dtypes it is written for.
 """
 from __future__ import annotations
 
@@ -21,9 +23,11 @@ from selfattn._util import validate as _validate
 from selfattn.audit import suite
 from selfattn.audit.cache import CacheReport
 from selfattn.audit.causality import METHODS, CausalityReport
+from selfattn.cli import flags
 
 SEQ_LEN = 16  # T of every audit unless --seq-len says otherwise (or a --ckpt model's window needs more)
 WINDOW_MAX = 512  # a --ckpt model's windows up to this raise the default T past them
+EXAMPLE = "selfattn check --ckpt runs/tiny --dtype bfloat16"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -32,8 +36,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq-len", type=int, default=None,
                    help=f"sequence length T of every audit; unset: {SEQ_LEN}, or for --ckpt past the model's smallest "
                         f"window (up to {WINDOW_MAX}), at most its block_size")
-    p.add_argument("--ckpt", metavar="PATH", default=None,
-                   help="audit only a trained model: run folder, checkpoint file, transformers folder or GGUF file")
+    flags.add_model(p, required=False, purpose="audit only this model")
     p.add_argument("--module", metavar="PKG.MOD:FACTORY", default=None,
                    help="audit only the module returned by this factory (called with no arguments)")
     p.add_argument("--shape", default=None,
@@ -41,10 +44,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "C from the module's first Linear or LayerNorm")
     p.add_argument("--window", type=int, default=None,
                    help="for --module: also forbid inputs WINDOW or more positions back (one sliding-window layer)")
-    p.add_argument("--device", default="cpu",
-                   help="where the built-in audits run: cpu, cuda, or auto (backends that cannot run there "
-                        "are listed as skipped)")
-    p.add_argument("--seed", type=int, default=0, help="torch.manual_seed before building modules and inputs")
+    flags.add_seed(p, "torch.manual_seed before building modules and inputs")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -53,6 +53,9 @@ def main(args: argparse.Namespace) -> int:
     seq_len = SEQ_LEN if args.seq_len is None else args.seq_len
     if args.ckpt and args.module:
         raise ValueError("pass --ckpt or --module, not both")
+    if not args.ckpt and args.dtype != "float32":
+        raise ValueError(f"--dtype {args.dtype} is the dtype of --ckpt's model; the built-in audits run in the "
+                         f"dtypes each is written for, and --module's module in its own")
     device = _validate.device(args.device)
     torch.manual_seed(args.seed)
     audit = dict(method=args.method, atol=args.atol)
@@ -60,7 +63,7 @@ def main(args: argparse.Namespace) -> int:
     if args.ckpt:
         from selfattn.io.loading import load
 
-        model = load(args.ckpt).model
+        model = load(args.ckpt).model.to(device, flags.dtype(args))
         if args.seq_len is None:  # long enough to tell the smallest window from causality, where that is cheap
             windows = [b.attn.window for b in model.blocks if b.attn.window is not None and b.attn.window < WINDOW_MAX]
             seq_len = min(max([seq_len] + [w + SEQ_LEN // 4 for w in windows]), model.config.block_size)

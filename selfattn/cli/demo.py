@@ -8,13 +8,16 @@ from __future__ import annotations
 import argparse
 
 from selfattn.analysis.worked_example import worked_example
+from selfattn.cli import flags
+
+EXAMPLE = "selfattn demo --seq-len 6 --window 3"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--n-embd", type=int, default=8, help="model width C")
     p.add_argument("--n-head", type=int, default=2, help="number of query heads H (head_dim D = C / H)")
     p.add_argument("--seq-len", type=int, default=4, help="sequence length T")
-    p.add_argument("--seed", type=int, default=0, help="torch.manual_seed before building the module and input")
+    flags.add_seed(p, "torch.manual_seed before building the module and input")
     p.add_argument("--position", type=int, default=2, help="the position whose input is changed")
     p.add_argument("--n-kv-head", type=int, default=None, help="key/value heads for GQA (default: H)")
     p.add_argument("--window", type=int, default=None, help="sliding window: each query sees this many recent keys")

@@ -5,18 +5,19 @@ checkpoint file, a local folder written by ``transformers``' ``save_pretrained``
 (see :mod:`selfattn.io.loading`). ``--data`` is a UTF-8 text file, tokenized with the model's own
 tokenizer.
 
-The text is read in windows of ``--window`` tokens (default: the model's ``block_size``), one
-starting every ``--stride`` tokens (default: ``--window``, disjoint windows), as transformers'
-perplexity guide reads it (:mod:`selfattn.training.evaluate`): each window predicts the tokens
-past the previous one's end, so a smaller stride gives each token more context, for more
-forwards.
+The text is read in contexts of ``--context`` tokens (default: the model's ``block_size``), one
+starting every ``--stride`` tokens (default: ``--context``, disjoint contexts), as transformers'
+perplexity guide reads it with its sliding window (:mod:`selfattn.training.evaluate`): each context
+predicts the tokens past the previous one's end, so a smaller stride gives each token more context,
+for more forwards.
 
 A ``--data`` file whose name ends in ``.jsonl`` is chat data (:mod:`selfattn.training.chat`): one
 conversation a line, each rendered with the model's chat template, read whole in one forward, and
 only the assistant's tokens predicted (what fine-tuning on it trains); a conversation longer than
-the model's ``block_size`` is refused, naming its line. ``--window`` and ``--stride`` are for text.
+the model's ``block_size`` is refused, naming its line. ``--context`` and ``--stride`` are for text.
 
-Prints the loss in nats per predicted token and, last, the perplexity, its exponential.
+The model runs on ``--device`` in ``--dtype``. Prints the loss in nats per predicted token and,
+last, the perplexity, its exponential.
 """
 from __future__ import annotations
 
@@ -24,24 +25,25 @@ import argparse
 from pathlib import Path
 
 from selfattn._util import validate as _validate
+from selfattn.cli import flags
 from selfattn.io.loading import Loaded, load
 from selfattn.training import chat
 from selfattn.training.data import read_corpus
 from selfattn.training.evaluate import masked_perplexity, perplexity
 
+EXAMPLE = "selfattn eval --ckpt runs/tiny --data README.md --context 128 --stride 64"
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--ckpt", required=True, metavar="PATH", default=argparse.SUPPRESS,
-                   help="run folder, checkpoint file, local folder saved by transformers, or GGUF file")
+    flags.add_model(p)
     p.add_argument("--data", required=True, metavar="FILE", default=argparse.SUPPRESS,
                    help="a UTF-8 text file, tokenized with the model's tokenizer; or a .jsonl chat file "
                         "({\"messages\": [...]} a line): the loss over the assistant's tokens")
-    p.add_argument("--window", type=int, default=None, metavar="N",
-                   help="tokens a window reads; unset: the model's block_size")
+    p.add_argument("--context", type=int, default=None, metavar="N",
+                   help="tokens one forward reads; unset: the model's block_size")
     p.add_argument("--stride", type=int, default=None, metavar="N",
-                   help="tokens from one window's start to the next, at most --window; unset: --window "
-                        "(disjoint windows); smaller: more context per token, more forwards")
-    p.add_argument("--device", default="auto", help="'auto' (the accelerator if any, else CPU) or a torch device")
+                   help="tokens from one context's start to the next, at most --context; unset: --context "
+                        "(disjoint contexts); smaller: more context per token, more forwards")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -51,18 +53,18 @@ def main(args: argparse.Namespace) -> int:
     text = read_text(args.data)
     device = _validate.device(args.device)
     loaded = load(args.ckpt)
-    window = loaded.model.config.block_size if args.window is None else args.window
-    if args.stride is not None and args.stride > window:
-        raise ValueError(f"--stride {args.stride} is larger than the model's block_size {window}, the default "
-                         f"--window; pass a smaller --stride")
+    context = loaded.model.config.block_size if args.context is None else args.context
+    if args.stride is not None and args.stride > context:
+        raise ValueError(f"--stride {args.stride} is larger than the model's block_size {context}, the default "
+                         f"--context; pass a smaller --stride")
     ids = loaded.require_tokenizer().encode(text)
     if len(ids) < 2:
         raise ValueError(f"--data {args.data!r} is {len(ids)} token(s) long with the tokenizer of {loaded.source}; "
                          f"a perplexity needs at least 2")
-    result = perplexity(loaded.model.to(device), ids, window=window, stride=args.stride)
-    print_model(loaded, device)
+    result = perplexity(loaded.model.to(device, flags.dtype(args)), ids, context=context, stride=args.stride)
+    print_model(loaded, device, args.dtype)
     print(f"  {args.data}: {len(ids):,} tokens, {result.tokens:,} predicted")
-    print(f"  {result.windows:,} window{'s' * (result.windows != 1)} of up to {result.window} tokens, "
+    print(f"  {result.contexts:,} context{'s' * (result.contexts != 1)} of up to {result.context} tokens, "
           f"stride {result.stride}")
     print(f"loss {result.loss:.6g}")
     print(f"perplexity {result.perplexity:.6g}")
@@ -76,8 +78,8 @@ def main_chat(args: argparse.Namespace) -> int:
     loaded = load(args.ckpt)
     encoded = chat.encode_all(conversations, loaded.require_tokenizer(), loaded.require_chat(), where=args.data,
                               block_size=loaded.model.config.block_size)
-    result = masked_perplexity(loaded.model.to(device), [(e.ids, e.targets()) for e in encoded])
-    print_model(loaded, device)
+    result = masked_perplexity(loaded.model.to(device, flags.dtype(args)), [(e.ids, e.targets()) for e in encoded])
+    print_model(loaded, device, args.dtype)
     print(f"  {args.data}: {len(encoded):,} conversations, {sum(len(e.ids) for e in encoded):,} tokens, "
           f"{result.tokens:,} assistant tokens predicted")
     print(f"loss {result.loss:.6g}")
@@ -85,25 +87,25 @@ def main_chat(args: argparse.Namespace) -> int:
     return 0
 
 
-def print_model(loaded: Loaded, device) -> None:
-    """The first line of the report: the model and where it runs."""
+def print_model(loaded: Loaded, device, dtype: str) -> None:
+    """The first line of the report: the model, where it runs and in which dtype."""
     cfg = loaded.model.config
     print(f"selfattn eval: {loaded.source}: {cfg.n_layer} layers x {cfg.n_head} heads, C={cfg.n_embd}, "
-          f"{loaded.model.num_params() / 1e6:.2f}M parameters, on {device}")
+          f"{loaded.model.num_params() / 1e6:.2f}M parameters, on {device} in {dtype}")
 
 
 def check_flags(args: argparse.Namespace) -> None:
     """The flags' values that need no model, checked before it is loaded."""
-    if chat.is_chat_data(args.data) and (args.window is not None or args.stride is not None):
-        raise ValueError(f"--window and --stride read a text in windows; the chat file {args.data!r} is read one "
-                         f"whole conversation a forward: drop them")
-    for flag in ("window", "stride"):
+    if chat.is_chat_data(args.data) and (args.context is not None or args.stride is not None):
+        raise ValueError(f"--context and --stride read a text in sliding contexts; the chat file {args.data!r} is "
+                         f"read one whole conversation a forward: drop them")
+    for flag in ("context", "stride"):
         value = getattr(args, flag)
         if value is not None and value < 1:
             raise ValueError(f"--{flag} must be a positive number of tokens, got {value}")
-    if args.window is not None and args.stride is not None and args.stride > args.window:
-        raise ValueError(f"--stride {args.stride} is larger than --window {args.window}: the tokens between two "
-                         f"windows would never be predicted")
+    if args.context is not None and args.stride is not None and args.stride > args.context:
+        raise ValueError(f"--stride {args.stride} is larger than --context {args.context}: the tokens between two "
+                         f"contexts would never be predicted")
 
 
 def read_text(path: str) -> str:

@@ -22,6 +22,7 @@ import argparse
 from pathlib import Path
 
 from selfattn import lora
+from selfattn.cli import flags
 from selfattn.families import writing
 from selfattn.formats.gguf_write import TYPES
 from selfattn.io.export import PROBE_TOKENS, Special, check_target, export
@@ -30,14 +31,14 @@ from selfattn.training.data import read_corpus
 from selfattn.training.evaluate import perplexity
 
 PPL_TOKENS = 512  # tokens a GGUF file's perplexity cost is measured on
+EXAMPLE = "selfattn export --ckpt runs/tiny --out exported/tiny"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--ckpt", required=True, metavar="PATH", default=argparse.SUPPRESS,
-                   help="run folder, checkpoint file, local folder saved by transformers, or GGUF file")
-    p.add_argument("--out", required=True, metavar="DIR", default=argparse.SUPPRESS,
-                   help="the folder to write (created; must be empty unless --force; never a run folder); "
-                        "a name ending in .gguf: a GGUF file llama.cpp runs")
+    flags.add_ckpt(p)
+    p.add_argument("--out", required=True, metavar="FOLDER|FILE.gguf", default=argparse.SUPPRESS,
+                   help="the folder to write (created; must be empty unless --force; never a run folder), or "
+                        "the file to write when the name ends in .gguf: a GGUF file llama.cpp runs")
     p.add_argument("--force", action="store_true",
                    help="replace --out when it exists and is not empty (a run folder is refused even so)")
     p.add_argument("--type", choices=TYPES, default=None,
@@ -122,8 +123,8 @@ def _perplexity_cost(loaded: Loaded, written, text: str, what: str) -> None:
     ids = loaded.require_tokenizer().encode(text[:PPL_TOKENS * 16])[:PPL_TOKENS]  # at most 16 characters a token
     if len(ids) < 2:
         raise ValueError(f"--ppl-data {what} is {len(ids)} token(s) long; a perplexity needs 2")
-    window = min(len(ids), loaded.model.config.block_size)
-    source, file = (perplexity(model, ids, window=window).perplexity for model in (loaded.model, written))
+    context = min(len(ids), loaded.model.config.block_size)
+    source, file = (perplexity(model, ids, context=context).perplexity for model in (loaded.model, written))
     print(f"  perplexity on {len(ids)} tokens of {what}: {file:.4f} (the source: {source:.4f}; "
           f"{(file / source - 1) * 100:+.3f}%)")
 

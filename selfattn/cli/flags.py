@@ -1,4 +1,9 @@
-"""Config dataclasses as command-line flags.
+"""The flags more than one command takes, each defined once: one name, one meaning, one default.
+
+- :func:`add_model`: ``--ckpt``, ``--device`` and ``--dtype``, for every command that loads a model;
+  :func:`add_seed`: ``--seed`` (default :data:`SEED` everywhere); :func:`add_input`: ``--text`` or
+  ``--random-tokens N`` and its ``--seed``, for the commands that look inside a model.
+- Config dataclasses as flags (:func:`add_flags`, :func:`add_set`, :func:`given`).
 
 A chosen field of a config dataclass becomes one flag (``n_layer`` -> ``--n-layer``) whose help is
 the field's own (``metadata["help"]``, :mod:`selfattn._util.fields`); every other field is set by name with
@@ -103,3 +108,74 @@ def _flag_parser(base: type, optional: bool):
         return base(text)
     parse.__name__ = base.__name__  # argparse names the type in "invalid int value" errors
     return parse
+
+
+CKPT_HELP = "run folder, checkpoint file, local folder saved by transformers, or GGUF file"
+DEVICE_HELP = "'auto' (the accelerator if any, else the CPU) or a torch device: cpu, cuda, cuda:1, mps"
+DTYPES = ("float32", "bfloat16", "float16")
+SEED = 0  # every command's --seed: the same command prints the same thing; another seed, another draw
+
+
+def add_model(parser: argparse.ArgumentParser, *, required: bool = True, dtype: bool = True,
+              purpose: str | None = None) -> None:
+    """``--ckpt PATH`` (``purpose``, when given, leads its help), ``--device`` and, with ``dtype``,
+    ``--dtype``: the flags of a command that loads a model. ``--ckpt`` without ``required``
+    defaults to None."""
+    add_ckpt(parser, required=required, purpose=purpose)
+    add_device(parser)
+    if dtype:
+        parser.add_argument("--dtype", choices=DTYPES, default="float32",
+                            help="the dtype the model computes in: its weights are cast to it once loaded")
+
+
+def add_ckpt(parser: argparse.ArgumentParser, *, required: bool = True, purpose: str | None = None) -> None:
+    """``--ckpt PATH``: any path :func:`selfattn.io.loading.load` reads."""
+    parser.add_argument("--ckpt", required=required, metavar="PATH", default=argparse.SUPPRESS if required else None,
+                        help=f"{purpose}: {CKPT_HELP}" if purpose else CKPT_HELP)
+
+
+def add_device(parser: argparse.ArgumentParser) -> None:
+    """``--device``, default ``auto``; :func:`selfattn._util.validate.device` reads it."""
+    parser.add_argument("--device", default="auto", help=DEVICE_HELP)
+
+
+def dtype(args: argparse.Namespace):
+    """``--dtype``'s torch dtype."""
+    import torch
+
+    return getattr(torch, args.dtype)
+
+
+def add_seed(parser: argparse.ArgumentParser, what: str) -> None:
+    """``--seed N``, default :data:`SEED`; ``what`` says what it seeds."""
+    parser.add_argument("--seed", type=int, default=SEED, metavar="N", help=what)
+
+
+def add_input(parser: argparse.ArgumentParser, random_tokens: int) -> None:
+    """What a command that looks inside a model reads: ``--text``, or ``--random-tokens N`` (default
+    ``random_tokens``) distinct random tokens shown twice, drawn with ``--seed``."""
+    given = parser.add_mutually_exclusive_group()
+    given.add_argument("--text", default=None, metavar="TEXT",
+                       help="text to look at (default: random tokens, repeated twice)")
+    given.add_argument("--random-tokens", type=int, default=random_tokens, metavar="N",
+                       help="without --text: N random distinct tokens, shown twice (2N positions), on which "
+                            "induction heads show themselves")
+    add_seed(parser, "seed of the random tokens")
+
+
+def check_input(args: argparse.Namespace) -> None:
+    """:func:`add_input`'s flags, before the model is loaded."""
+    if args.text is None and args.random_tokens <= 0:
+        raise ValueError(f"--random-tokens must be positive, got {args.random_tokens}")
+    if args.text == "":
+        raise ValueError("--text is empty: pass a text, or leave --text out for random tokens")
+
+
+def check_random_tokens(n: int, config) -> None:
+    """``n`` distinct random tokens shown twice must fit the model: 2n positions, n tokens of its vocabulary."""
+    if 2 * n > config.block_size:
+        raise ValueError(f"--random-tokens {n} shows {2 * n} tokens, more than the model's block_size="
+                         f"{config.block_size}; pass --random-tokens {config.block_size // 2} or less")
+    if n > config.vocab_size:
+        raise ValueError(f"--random-tokens {n} needs {n} distinct tokens, more than the model's vocabulary of "
+                         f"{config.vocab_size}; pass --random-tokens {config.vocab_size} or less")

@@ -1,8 +1,9 @@
 """Look inside the heads of a trained model: attention maps, ranked head roles, scores.
 
 ``--ckpt`` takes what ``selfattn sample`` takes: a run folder of ``selfattn train``, one
-checkpoint file, or a local GPT-2 folder written by ``transformers``' ``save_pretrained``.
-Without ``--text`` the input is a random sequence of distinct tokens repeated twice, on which
+checkpoint file, a local folder written by ``transformers``' ``save_pretrained`` or a GGUF file;
+the model runs on ``--device`` in ``--dtype``. Without ``--text`` the input is ``--random-tokens``
+random distinct tokens repeated twice, on which
 previous-token, duplicate-token and induction heads show themselves (see
 :mod:`selfattn.analysis.heads` for each score's formula). Writes ``attention.png`` (one panel per layer and head) and
 ``scores.json`` to ``--out`` and prints the best heads for each role.
@@ -16,6 +17,7 @@ from pathlib import Path
 import torch
 
 from selfattn._util import files as _files
+from selfattn._util import validate as _validate
 from selfattn.analysis.heads import (
     ROLES,
     UNDEFINED,
@@ -26,23 +28,21 @@ from selfattn.analysis.heads import (
     rank_heads,
     repeated_tokens,
 )
-from selfattn.cli.explore import check_repeat
+from selfattn.cli import flags
 from selfattn.io.loading import load
 
 LABELS_UP_TO = 32  # token labels on the plot axes for sequences up to this long
 TABLE_UP_TO = 64  # print the per-head table for models with at most this many heads
+EXAMPLE = "selfattn heads --ckpt runs/tiny --random-tokens 24 --out out/heads"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--ckpt", required=True, metavar="PATH",
-                   help="run folder, checkpoint file, local folder saved by transformers, or GGUF file")
-    p.add_argument("--text", default=None, help="text to look at (default: random tokens, repeated twice)")
-    p.add_argument("--length", type=int, default=16,
-                   help="without --text: how many random tokens, shown twice (sequence of 2 * length)")
+    flags.add_model(p)
+    flags.add_input(p, random_tokens=16)
     p.add_argument("--layers", default=None, help="comma-separated layers to show (default: all)")
     p.add_argument("--top", type=int, default=3, help="heads listed per role")
-    p.add_argument("--seed", type=int, default=0, help="seed of the random tokens")
-    p.add_argument("--out", default="out/heads", help="folder for attention.png and scores.json")
+    p.add_argument("--out", default="out/heads", metavar="FOLDER", help="folder to write attention.png and "
+                                                                       "scores.json in")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -50,19 +50,17 @@ def main(args: argparse.Namespace) -> int:
     layers = _parse_layers(args.layers)  # the flags first, then the model (seconds to load)
     if args.top <= 0:
         raise ValueError(f"--top must be positive, got {args.top}")
-    if args.text is None and args.length <= 0:
-        raise ValueError(f"--length must be positive, got {args.length}")
-    if args.text == "":
-        raise ValueError("--text is empty: pass a text, or leave --text out for random tokens")
+    flags.check_input(args)
+    device = _validate.device(args.device)
     loaded = load(args.ckpt)
-    model, tokenizer = loaded.model.eval(), loaded.tokenizer
+    model, tokenizer = loaded.model.to(device, flags.dtype(args)).eval(), loaded.tokenizer
     n_layer = len(attention_layers(model))
     layers = _check_layers(layers, n_layer)
     if args.text is None:
-        check_repeat("--length", args.length, model.config)
+        flags.check_random_tokens(args.random_tokens, model.config)
         g = torch.Generator().manual_seed(args.seed)
-        tokens = repeated_tokens(model.config.vocab_size, args.length, generator=g)  # (1, 2·length)
-        what = f"{args.length} random tokens, repeated (T={tokens.shape[1]})"
+        tokens = repeated_tokens(model.config.vocab_size, args.random_tokens, generator=g)  # (1, 2·random_tokens)
+        what = f"{args.random_tokens} random tokens, repeated (T={tokens.shape[1]})"
     else:
         ids = loaded.require_tokenizer().encode(args.text)
         if not ids:
@@ -71,7 +69,7 @@ def main(args: argparse.Namespace) -> int:
         what = f"--text, {len(ids)} tokens"
     if tokens.shape[1] > model.config.block_size:
         raise ValueError(f"{tokens.shape[1]} tokens exceed the model's block_size={model.config.block_size}")
-    att = attention_maps(model, tokens, layers)  # (L, 1, H, T, T)
+    att = attention_maps(model, tokens.to(device), layers).cpu()  # (L, 1, H, T, T) float32
     repeats = bool((tokens[0, :, None] == tokens[0, None, :]).tril(-1).any())
     scores = head_scores(att, tokens if repeats else None)
 
@@ -89,7 +87,7 @@ def main(args: argparse.Namespace) -> int:
                     for role, top in rank_heads(scores, args.top)}}, indent=1))
 
     H = att.shape[2]
-    print(f"selfattn heads: {args.ckpt}: {n_layer} layers x {H} heads; input: {what}")
+    print(f"selfattn heads: {args.ckpt}: {n_layer} layers x {H} heads on {device} in {args.dtype}; input: {what}")
     if not repeats:
         print("  no token occurs twice in the input, so duplicate-token and induction scores are left out")
     for name in [n for n, s in scores.items() if s.isnan().all()]:

@@ -10,11 +10,13 @@ from pathlib import Path
 from selfattn.analysis.induction import InductionConfig, report, run, save_outputs
 from selfattn.cli import flags
 
+EXAMPLE = "selfattn induction --out out/induction"
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     flags.add_flags(p, InductionConfig)
-    p.add_argument("--out", default="out/induction", help="folder for curve.png, key_heads.png, heads_*.png, "
-                                                          "induction.json")
+    p.add_argument("--out", default="out/induction", metavar="FOLDER",
+                   help="folder to write curve.png, key_heads.png, heads_*.png and induction.json in")
 
 
 def main(args: argparse.Namespace) -> int:

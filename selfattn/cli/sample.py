@@ -1,4 +1,4 @@
-"""Generate text from a trained model, streamed to the terminal as it is produced.
+"""Generate text from a trained model, printed to the terminal token by token as it is produced.
 
 ``--ckpt`` takes a run folder of ``selfattn train`` (its newest checkpoint), one checkpoint
 file (``ckpt-*.safetensors``, or a ``torch.save`` state dict ``.pt`` beside the run's
@@ -27,6 +27,9 @@ through the C++ decode kernel instead (:mod:`selfattn.generation.kernel_step`), 
 Tokens are turned into bytes one at a time and decoded incrementally, so a character whose
 UTF-8 bytes span several tokens is printed whole once its last byte arrives. Past the
 model's ``block_size`` the context slides: it is cut to its last half and read again.
+
+The model runs on ``--device`` in ``--dtype`` (a draft model too). ``--seed`` seeds the sampler,
+0 by default as every command's: the same command prints the same text; another seed, another text.
 """
 from __future__ import annotations
 
@@ -36,17 +39,19 @@ import sys
 import torch
 
 from selfattn._util import validate as _validate
+from selfattn.cli import flags
 from selfattn.generation import compile_decode, decode_layout
 from selfattn.generation.int8 import quantize_int8
 from selfattn.generation.sampling import check_sampling
 from selfattn.generation.speculative import Speculative
-from selfattn.generation.text import stream, text_pieces
+from selfattn.generation.text import new_tokens, text_pieces
 from selfattn.io.loading import load
+
+EXAMPLE = "selfattn sample --ckpt runs/tiny --prompt 'The ' --max-new-tokens 200 --seed 1"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--ckpt", required=True, metavar="PATH", default=argparse.SUPPRESS,
-                   help="run folder, checkpoint file, local folder saved by transformers, or GGUF file")
+    flags.add_model(p)
     p.add_argument("--prompt", default="", metavar="TEXT",
                    help="text to continue; empty: start from a newline (GPT-2: from <|endoftext|>, others: bos)")
     p.add_argument("--chat", default=None, metavar="TEXT",
@@ -56,8 +61,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, default=None, metavar="K", help="sample among the k most likely tokens only")
     p.add_argument("--top-p", type=float, default=None, metavar="P",
                    help="nucleus: sample among the fewest tokens holding this probability")
-    p.add_argument("--seed", type=int, default=None, metavar="S", help="seed of the sampler: same seed, same text")
-    p.add_argument("--device", default="auto", help="'auto' (the accelerator if any, else CPU) or a torch device")
+    flags.add_seed(p, "seed of the sampler: same seed, same text")
     p.add_argument("--speculative", default=None, metavar="HOW",
                    help="speculative decoding, the same text in fewer forwards: lookup (prompt lookup), self:N "
                         "(the model's first N layers draft) or draft:PATH (a smaller model, the same vocabulary)")
@@ -78,7 +82,8 @@ def main(args: argparse.Namespace) -> int:
         check_chat_fits(len(ids), args.max_new_tokens, loaded.model.max_positions)
     else:
         ids = tokenizer.encode(args.prompt, special=True) if args.prompt else [loaded.start_token]
-    model = decode_layout(loaded.model.to(device).eval())  # inference only: the order batch-1 decoding reads fastest
+    model = loaded.model.to(device, flags.dtype(args)).eval()
+    model = decode_layout(model)  # inference only: the order batch-1 decoding reads fastest
     if args.quantize == "int8":
         quantize_int8(model)
     if args.compile:
@@ -88,16 +93,13 @@ def main(args: argparse.Namespace) -> int:
     if ids == [None]:
         raise ValueError(f"the tokenizer of {loaded.source} has no token for a newline and no <|endoftext|>, so an "
                          f"empty prompt has nothing to start from; pass --prompt TEXT")
-    spec = speculation(args.speculative, model, device, len(ids) + args.max_new_tokens - 1, compile=args.compile)
-    generator = torch.Generator(device)
-    if args.seed is None:
-        generator.seed()
-    else:
-        generator.manual_seed(args.seed)
-    last = args.prompt  # the last text written, to end its line if Ctrl-C cuts the stream
+    spec = speculation(args.speculative, model, device, len(ids) + args.max_new_tokens - 1, compile=args.compile,
+                       dtype=flags.dtype(args))
+    generator = torch.Generator(device).manual_seed(args.seed)
+    last = args.prompt  # the last text written, to end its line if Ctrl-C cuts the text short
     try:
         sys.stdout.write(args.prompt)
-        tokens = stream(model, ids, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+        tokens = new_tokens(model, ids, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                         top_p=args.top_p, generator=generator, speculative=spec)
         for piece in text_pieces(tokenizer, until(tokens, loaded.eos)):
             sys.stdout.write(piece)
@@ -145,16 +147,17 @@ def check_chat_fits(prompt: int, new: int, context: int | None) -> None:
                      f"start; {fix}")
 
 
-def speculation(how: str | None, model, device, positions: int, *, compile: bool = False) -> Speculative | None:
+def speculation(how: str | None, model, device, positions: int, *, compile: bool = False,
+                dtype: torch.dtype = torch.float32) -> Speculative | None:
     """``--speculative``'s drafter, checked against ``model`` for ``positions`` positions (fewer
-    past ``block_size``, where the context slides), or None; a draft model decodes compiled
-    with ``compile``."""
+    past ``block_size``, where the context slides), or None; a draft model runs on ``device`` in
+    ``dtype``, compiled with ``compile``."""
     if how is None:
         return None
     try:
         method = how
         if how.startswith("draft:"):
-            method = decode_layout(load(how[len("draft:"):]).model.to(device).eval())
+            method = decode_layout(load(how[len("draft:"):]).model.to(device, dtype).eval())
             if compile:
                 compile_decode(method)
         spec = Speculative(method)

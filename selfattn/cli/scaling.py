@@ -7,13 +7,16 @@ from __future__ import annotations
 import argparse
 
 from selfattn.analysis.scaling import report, study
+from selfattn.cli import flags
+
+EXAMPLE = "selfattn scaling --widths 64,1024 --seq-len 64"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--widths", default="64,256,1024,4096", help="comma-separated model widths C")
     p.add_argument("--head-dim", type=int, default=64, help="head size D, fixed (H = C / D heads)")
     p.add_argument("--seq-len", type=int, default=128, help="keys per query T")
-    p.add_argument("--seed", type=int, default=0, help="seed for q, k, v and the upstream gradient")
+    flags.add_seed(p, "seed for q, k, v and the upstream gradient")
 
 
 def main(args: argparse.Namespace) -> int:

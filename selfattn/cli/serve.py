@@ -7,7 +7,8 @@ Any model ``--ckpt`` reads (a run, a checkpoint, a transformers folder, a GGUF f
 Requests join the running batch at the next step and leave when done: up to ``--max-batch`` decode
 together, ``--queue`` more wait, and past that a request gets 503. A greedy answer is token for token
 the one ``selfattn sample --chat TEXT --temperature 0`` prints. SIGTERM or Ctrl-C lets the requests
-in flight finish (30 s at most) and exits 0. ``docs/serve.md`` has examples and the design.
+in flight finish (30 s at most) and exits 0. The model runs on ``--device`` in ``--dtype``.
+``docs/serve.md`` has examples and the design.
 """
 from __future__ import annotations
 
@@ -15,13 +16,15 @@ import argparse
 from pathlib import Path
 
 from selfattn._util import validate as _validate
+from selfattn.cli import flags
 from selfattn.generation.layout import FEW
 from selfattn.io.loading import load
 
+EXAMPLE = "selfattn serve --ckpt runs/tiny --port 8000 --max-batch 4"
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--ckpt", required=True, metavar="PATH", default=argparse.SUPPRESS,
-                   help="run folder, checkpoint file, local folder saved by transformers, or GGUF file")
+    flags.add_model(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     p.add_argument("--port", type=int, default=8000, metavar="N", help="port to listen on (0: a free one, printed)")
     p.add_argument("--max-batch", type=int, default=8, metavar="N", help=f"rows decoded together (1..{FEW})")
@@ -29,7 +32,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="requests waiting for a row; past them, 503 with Retry-After")
     p.add_argument("--api-key", default=None, metavar="KEY",
                    help="every request must send 'Authorization: Bearer KEY' (else 401)")
-    p.add_argument("--device", default="auto", help="'auto' (the accelerator if any, else CPU) or a torch device")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -52,7 +54,7 @@ def main(args: argparse.Namespace) -> int:
         loaded.require_tokenizer()
         path = Path(args.ckpt)
         name = path.stem if path.is_file() else path.resolve().name
-        engine = Engine(loaded.model.to(device), max_batch=args.max_batch, queue=args.queue)
+        engine = Engine(loaded.model.to(device, flags.dtype(args)), max_batch=args.max_batch, queue=args.queue)
         app = create_app(loaded, engine, name=name, api_key=args.api_key)
         host, port = sock.getsockname()[:2]
         print(f"selfattn serve: {name} on http://{host}:{port}/v1 (max batch {args.max_batch}, queue {args.queue}); "

@@ -17,14 +17,18 @@ from selfattn.cli import flags
 from selfattn.config import GPTConfig
 from selfattn.families.writing import ARCHS
 from selfattn.training import lock, parallel
+from selfattn.training.checkpoint import BEST
 from selfattn.training.config import TrainConfig
 from selfattn.training.loop import Diverged, TrainResult, train
 from selfattn.training.presets import PRESETS
 from selfattn.training.resume import resolve_configs
 
+EXAMPLE = "selfattn train --preset tiny --out runs/tiny"
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--out", default=argparse.SUPPRESS, help="run folder [runs/<preset>, or runs/default]")
+    p.add_argument("--out", default=argparse.SUPPRESS, metavar="FOLDER",
+                   help="run folder to write (or --resume) [runs/<preset>, or runs/default]")
     p.add_argument("--preset", choices=sorted(PRESETS), default=None, help="model and training sizes to start from")
     p.add_argument("--arch", choices=ARCHS, default=None,
                    help="the block of a model family (over the preset's sizes); selfattn export then writes "
@@ -115,16 +119,27 @@ class _Progress:
             self.bar.set_postfix_str(f"loss {r['loss']:.3f}, {r['tokens_per_s']:,.0f} tok/s", refresh=False)
             self.bar.update(1)
         elif kind == "eval":
-            self.bar.write(f"step {r['step']}: train loss {r['loss']:.4f}, val loss {r['val_loss']:.4f}")
+            self.bar.write(f"step {r['step']}: " + ("" if r["loss"] is None else f"train loss {r['loss']:.4f}, ")
+                           + f"val loss {r['val_loss']:.4f}"
+                           + ("" if r["general_loss"] is None else f", general loss {r['general_loss']:.4f}")
+                           + (" (the best so far)" if r["best_step"] == r["step"] else ""))
+            for warning in r["warnings"]:
+                self.bar.write(f"warning: {warning}")
 
 
 def _summary(result: TrainResult, cfg: TrainConfig) -> str:
     if result.trained == 0:
         return (f"selfattn train: nothing to do, {result.out} already reached max_steps={cfg.max_steps}; "
                 f"pass --max-steps N to train further")
+    watch = result.watch
     return (f"selfattn train: done, step {result.step}, val loss {result.val_loss:.4f}, "
             f"{result.tokens_per_s:,.0f} tokens/s; checkpoint {result.checkpoint}, loss curve "
-            f"{result.out / 'loss.png'}\nsample from it: selfattn sample --ckpt {result.out}")
+            f"{result.out / 'loss.png'}\nthe best val loss, {watch.best_val:.4f} at step {watch.best_step}, is "
+            f"{result.out / BEST}: the run folder means it to sample, eval, export and serve (the last: "
+            f"--ckpt {result.checkpoint})"
+            + ("" if watch.start_general is None else f"\nthe general loss: {watch.start_general:.4f} before "
+               f"training, {watch.last_general:.4f} at the end ({watch.last_general - watch.start_general:+.4f})")
+            + f"\nsample from it: selfattn sample --ckpt {result.out}")
 
 
 def _tqdm():

@@ -1,4 +1,4 @@
-"""Text from a model as it comes: :func:`stream` generates past the model's ``block_size`` by
+"""Text from a model as it comes: :func:`new_tokens` generates past the model's ``block_size`` by
 sliding the context, and :func:`text_pieces` turns tokens into text: a character whose UTF-8 bytes
 span several tokens is emitted whole once its last byte arrives.
 """
@@ -13,7 +13,7 @@ from selfattn.generation.generate import generate
 from selfattn.model import GPT
 
 
-def stream(model: GPT, ids: list[int], max_new_tokens: int, **sampling) -> Iterator[int]:
+def new_tokens(model: GPT, ids: list[int], max_new_tokens: int, **sampling) -> Iterator[int]:
     """New tokens of ``model`` (a :class:`~selfattn.model.GPT`) one at a time after ``ids``.
     Past ``block_size`` the context slides: it is cut to its last half and read again (a model
     without a position limit, ``max_positions`` None, just goes on)."""

@@ -8,5 +8,5 @@
 - :mod:`selfattn.training.loop`: :func:`~selfattn.training.loop.train`, the loop, its log and loss plot;
 - :mod:`selfattn.training.parallel`: process groups, DDP/FSDP2 wrapping, reductions;
 - :mod:`selfattn.training.checkpoint`: checkpoints written atomically and restored;
-- :mod:`selfattn.training.evaluate`: a model's loss and perplexity on a text, over sliding windows.
+- :mod:`selfattn.training.evaluate`: a model's loss and perplexity on a text, over sliding contexts.
 """

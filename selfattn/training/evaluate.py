@@ -1,22 +1,23 @@
-"""A model's loss and perplexity: on a text, over sliding windows as transformers' guide computes it
+"""A model's loss and perplexity: on a text, over sliding contexts as transformers' guide computes it
 (:func:`perplexity`); on sequences with their own targets, such as chat data's assistant tokens
 (:func:`masked_perplexity`).
 
-A model reads at most ``block_size`` tokens at once, so a longer text is read in windows of
-``window`` tokens, one starting every ``stride`` tokens
-(https://huggingface.co/docs/transformers/perplexity). Each window predicts only the tokens
-past the previous window's end, each from the context the window gives it. ``stride ==
-window`` (the default) reads disjoint windows, the fewest forwards, but a window's first tokens
-have little context and its very first token is not predicted; a smaller stride gives every
-predicted token at least ``window - stride`` tokens of context, for about ``window / stride``
-times the forwards. The text's first token is never predicted.
+A model reads at most ``block_size`` tokens at once, so a longer text is read in contexts of
+``context`` tokens, one starting every ``stride`` tokens (the "sliding window" of
+https://huggingface.co/docs/transformers/perplexity; called a context here, as a window is an
+attention window everywhere else in this library). Each context predicts only the tokens past the
+previous context's end, each from what the context gives it. ``stride == context`` (the default)
+reads disjoint contexts, the fewest forwards, but a context's first tokens have little before them
+and its very first token is not predicted; a smaller stride gives every predicted token at least
+``context - stride`` tokens before it, for about ``context / stride`` times the forwards. The
+text's first token is never predicted.
 
 Sequences with targets (:func:`masked_perplexity`) are read one forward each, whole: position t
 predicts ``targets[t]`` unless it is -100 (chat data: the assistant's tokens,
 :meth:`selfattn.training.chat.Encoded.targets`).
 
 Either way the loss is the negative log-likelihood summed over every predicted token and divided by
-their number (not a mean of the windows' or sequences' means), in nats per token; the perplexity is
+their number (not a mean of the contexts' or sequences' means), in nats per token; the perplexity is
 its exponential.
 """
 from __future__ import annotations
@@ -39,9 +40,9 @@ class Evaluation:
     loss: float  # mean negative log-likelihood, nats per predicted token
     perplexity: float  # exp(loss)
     tokens: int  # the tokens predicted
-    windows: int  # the windows read, one forward each
-    window: int  # tokens a window holds at most
-    stride: int  # tokens from one window's start to the next
+    contexts: int  # the contexts read, one forward each
+    context: int  # tokens a context holds at most
+    stride: int  # tokens from one context's start to the next
 
 
 @dataclass(frozen=True)
@@ -53,22 +54,22 @@ class MaskedEvaluation:
     sequences: int  # the sequences read, one forward each
 
 
-def perplexity(model: GPT, ids: Sequence[int] | Tensor, *, window: int | None = None,
+def perplexity(model: GPT, ids: Sequence[int] | Tensor, *, context: int | None = None,
                stride: int | None = None) -> Evaluation:
     """Loss and perplexity of ``model`` on the token ids ``ids`` (a list or a 1-D tensor, at least
-    2 tokens), read in windows of ``window`` tokens (default: the model's ``block_size``) that
-    start every ``stride`` tokens (default: ``window``, disjoint windows; at most ``window``).
+    2 tokens), read in contexts of ``context`` tokens (default: the model's ``block_size``) that
+    start every ``stride`` tokens (default: ``context``, disjoint contexts; at most ``context``).
 
     Runs under ``torch.inference_mode()`` in eval mode, on the model's device, and leaves the
     model in the train or eval mode it was in.
     """
-    window = model.config.block_size if window is None else _validate.positive_int("window", window)
-    stride = window if stride is None else _validate.positive_int("stride", stride)
-    if stride > window:
-        raise ValueError(f"stride={stride} is larger than window={window}: the tokens between two windows would "
-                         f"never be predicted")
-    if model.max_positions is not None and window > model.max_positions:
-        raise ValueError(f"window={window} is longer than the model reads (block_size={model.max_positions})")
+    context = model.config.block_size if context is None else _validate.positive_int("context", context)
+    stride = context if stride is None else _validate.positive_int("stride", stride)
+    if stride > context:
+        raise ValueError(f"stride={stride} is larger than context={context}: the tokens between two contexts "
+                         f"would never be predicted")
+    if model.max_positions is not None and context > model.max_positions:
+        raise ValueError(f"context={context} is longer than the model reads (block_size={model.max_positions})")
     ids = torch.as_tensor(ids)  # (N,)
     if ids.dim() != 1 or (len(ids) and not _validate.is_integer(ids)):
         raise TypeError(f"ids must be a 1-D sequence of token ids, got {ids.dtype} of shape {tuple(ids.shape)}")
@@ -76,21 +77,21 @@ def perplexity(model: GPT, ids: Sequence[int] | Tensor, *, window: int | None = 
         raise ValueError(f"a perplexity needs at least 2 tokens (one read, one predicted), got {len(ids)}")
     ids = ids.to(device=next(model.parameters()).device, dtype=torch.long)
     n = len(ids)
-    nll, tokens, windows, prev_end = 0.0, 0, 0, 0
+    nll, tokens, contexts, prev_end = 0.0, 0, 0, 0
     was_training = model.training
     model.eval()
     try:
         with torch.inference_mode():
             for begin in range(0, n, stride):
-                end = min(begin + window, n)
+                end = min(begin + context, n)
                 x, y = ids[begin:end - 1], ids[begin + 1:end].clone()  # (T,) tokens, (T,) the next token of each
-                seen = max(prev_end, begin + 1) - begin - 1  # targets an earlier window predicted
+                seen = max(prev_end, begin + 1) - begin - 1  # targets an earlier context predicted
                 y[:seen] = IGNORE
-                if len(y) > seen:  # a last window of one token predicts nothing
+                if len(y) > seen:  # a last context of one token predicts nothing
                     _, loss = model(x[None], y[None])  # (1, T), (1, T): the mean over the unmasked targets
                     nll += loss.item() * (len(y) - seen)
                     tokens += len(y) - seen
-                    windows += 1
+                    contexts += 1
                 prev_end = end
                 if end == n:
                     break
@@ -98,7 +99,7 @@ def perplexity(model: GPT, ids: Sequence[int] | Tensor, *, window: int | None = 
         model.train(was_training)
     loss = nll / tokens
     return Evaluation(loss=loss, perplexity=math.exp(loss), tokens=tokens,
-                      windows=windows, window=window, stride=stride)
+                      contexts=contexts, context=context, stride=stride)
 
 
 def masked_perplexity(model: GPT, sequences: Sequence[tuple[Sequence[int], Sequence[int]]]) -> MaskedEvaluation:

@@ -365,9 +365,10 @@ def test_explore_command_on_a_run_and_on_a_gpt2_folder(tmp_path, capsys, monkeyp
     checkpoint.save(tmp_path / "run", 1, model, torch.optim.AdamW(model.parameters()), keep=1,
                     meta={"model": dataclasses.asdict(cfg), "tokenizer": {"kind": "byte"}, "step": 1})
     out = tmp_path / "pages" / "run.html"
-    assert cli(["explore", "--ckpt", str(tmp_path / "run"), "--repeat", "12", "--out", str(out)]) == 0
+    assert cli(["explore", "--ckpt", str(tmp_path / "run"), "--random-tokens", "12", "--out", str(out)]) == 0
     text = capsys.readouterr().out
-    assert "2 layers x 2 heads; input: 12 random tokens, repeated (T=24)" in text and "max error 0.00" in text
+    assert "2 layers x 2 heads on cpu in float32; input: 12 random tokens, repeated (T=24)" in text
+    assert "max error 0.00" in text
     data = page_data(out)
     assert data["tokens"][:12] == data["tokens"][12:] and len(set(data["tokens"])) == 12
     assert "induction" in data["scores"] and data["layers"] == 2 and data["T"] == 24
@@ -380,21 +381,21 @@ def test_explore_command_on_a_run_and_on_a_gpt2_folder(tmp_path, capsys, monkeyp
     assert cli(["explore", "--ckpt", str(folder), "--text", "x" * 40, "--out", str(out)]) == 2
     assert "2 to block_size=32 tokens, got 40" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        cli(["explore", "--ckpt", str(folder), "--text", "a", "--repeat", "3"])
+        cli(["explore", "--ckpt", str(folder), "--text", "a", "--random-tokens", "3"])
     assert "not allowed with argument" in capsys.readouterr().err
 
     run = str(tmp_path / "run")
-    for given in (["--text", "hello"], ["--repeat", "1"]):  # their only repeats are adjacent
+    for given in (["--text", "hello"], ["--random-tokens", "1"]):  # their only repeats are adjacent
         assert cli(["explore", "--ckpt", run, *given, "--out", str(out)]) == 0, capsys.readouterr().err
         assert page_data(out)["scores"]["induction"] == [[None, None], [None, None]]
     capsys.readouterr()
-    assert cli(["explore", "--ckpt", run, "--repeat", "33", "--out", str(out)]) == 2
-    assert capsys.readouterr().err == ("selfattn explore: error: --repeat 33 shows 66 tokens, more than the "
-                                       "model's block_size=64; pass --repeat 32 or less\n")
+    assert cli(["explore", "--ckpt", run, "--random-tokens", "33", "--out", str(out)]) == 2
+    assert capsys.readouterr().err == ("selfattn explore: error: --random-tokens 33 shows 66 tokens, more than "
+                                       "the model's block_size=64; pass --random-tokens 32 or less\n")
     assert cli(["explore", "--ckpt", run, "--out", str(tmp_path / "pages")]) == 2
     assert capsys.readouterr().err == (f"selfattn explore: error: --out {str(tmp_path / 'pages')!r} is a folder: "
                                        f"name the page to write, e.g. --out {tmp_path / 'pages' / 'explore.html'}\n")
-    assert cli(["explore", "--ckpt", run, "--repeat", "32", "--out", str(out)]) == 0  # control: the limit itself
+    assert cli(["explore", "--ckpt", run, "--random-tokens", "32", "--out", str(out)]) == 0  # control: the limit itself
 
 
 def test_a_failed_explore_leaves_no_folder_it_made(tmp_path, capsys, monkeypatch):
@@ -420,12 +421,12 @@ def test_a_failed_explore_leaves_no_folder_it_made(tmp_path, capsys, monkeypatch
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
 
     monkeypatch.setattr(_files, "write_text", disk_full)  # the work is done, writing the page fails
-    assert cli([*command, "--repeat", "4"]) == 2
+    assert cli([*command, "--random-tokens", "4"]) == 2
     assert "No space left on device" in capsys.readouterr().err
     assert not (tmp_path / "new").exists()
     (tmp_path / "new").mkdir()  # a folder that was there before stays
-    assert cli([*command, "--repeat", "4"]) == 2
+    assert cli([*command, "--random-tokens", "4"]) == 2
     assert [p.name for p in tmp_path.joinpath("new").iterdir()] == []
     monkeypatch.undo()
-    assert cli([*command, "--repeat", "4"]) == 0 and page.is_file()  # control: the page and its folder are written
+    assert cli([*command, "--random-tokens", "4"]) == 0 and page.is_file()  # control: the page and its folder
     assert [p.name for p in page.parent.iterdir()] == ["page.html"]  # no temporary left beside it

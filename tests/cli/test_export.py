@@ -22,7 +22,7 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 
 from selfattn.cli import main as cli  # noqa: E402
 from selfattn.config import GPTConfig  # noqa: E402
-from selfattn.generation.text import stream  # noqa: E402
+from selfattn.generation.text import new_tokens  # noqa: E402
 from selfattn.io.export import EOT, export, unsupported  # noqa: E402
 from selfattn.io.loading import load  # noqa: E402
 from selfattn.tokenizers import BPETokenizer, ByteTokenizer  # noqa: E402
@@ -148,7 +148,7 @@ def test_greedy_pipeline_text_equals_selfattn_sample_token_for_token(byte_export
         loaded = load(run)
         model = loaded.model.eval()
         ids = loaded.tokenizer.encode(PROMPT)
-        ours = list(stream(model, ids, 24, temperature=0))
+        ours = list(new_tokens(model, ids, 24, temperature=0))
         text, theirs = greedy_pipeline(folder, PROMPT, 24)
         assert theirs == ids + ours
         assert text == sample_text(capsys, run, PROMPT, 24)

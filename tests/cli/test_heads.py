@@ -27,9 +27,9 @@ def _save_run(folder, cfg):
 def test_heads_command_on_our_checkpoint(tmp_path, capsys):
     cfg = GPTConfig(vocab_size=256, block_size=32, n_layer=2, n_head=2, n_embd=16, mlp=False)
     model = _save_run(tmp_path / "run", cfg).eval()
-    assert cli(["heads", "--ckpt", str(tmp_path / "run"), "--length", "8", "--out", str(tmp_path / "out")]) == 0
+    assert cli(["heads", "--ckpt", str(tmp_path / "run"), "--random-tokens", "8", "--out", str(tmp_path / "out")]) == 0
     text = capsys.readouterr().out
-    assert "2 layers x 2 heads; input: 8 random tokens, repeated (T=16)" in text
+    assert "2 layers x 2 heads on cpu in float32; input: 8 random tokens, repeated (T=16)" in text
     for role in ("previous-token", "induction", "duplicate-token", "first-token"):
         assert f"  {role}" in text
     result = json.loads((tmp_path / "out" / "scores.json").read_text())
@@ -52,7 +52,7 @@ def test_heads_command_on_a_gpt2_folder(tmp_path, capsys, monkeypatch):
     text = "the cat sat. the cat sat."
     assert cli(["heads", "--ckpt", str(folder), "--text", text, "--out", str(tmp_path / "out")]) == 0
     out = capsys.readouterr().out
-    assert "2 layers x 4 heads; input: --text" in out and "induction" in out
+    assert "2 layers x 4 heads on cpu in float32; input: --text" in out and "induction" in out
     result = json.loads((tmp_path / "out" / "scores.json").read_text())
     assert result["tokens"] == tokenizer.encode(text)
     assert torch.tensor(result["scores"]["induction"]).shape == (2, 4)
@@ -63,7 +63,7 @@ def test_heads_command_on_a_gpt2_folder(tmp_path, capsys, monkeypatch):
 def test_heads_on_a_text_whose_only_repeat_is_adjacent_shows_induction_as_n_a(tmp_path, capsys):
     cfg = GPTConfig(vocab_size=256, block_size=32, n_layer=2, n_head=2, n_embd=16)
     model = _save_run(tmp_path / "run", cfg).eval()
-    for given, tokens in ((["--text", "hello"], list(b"hello")), (["--length", "1"], None)):
+    for given, tokens in ((["--text", "hello"], list(b"hello")), (["--random-tokens", "1"], None)):
         assert cli(["heads", "--ckpt", str(tmp_path / "run"), *given, "--out", str(tmp_path / "out")]) == 0
         text = capsys.readouterr().out
         assert "induction: n/a, undefined on this input: no token recurs with another token between its two " \
@@ -75,7 +75,7 @@ def test_heads_on_a_text_whose_only_repeat_is_adjacent_shows_induction_as_n_a(tm
         ids = torch.tensor([result["tokens"]])
         expected = head_scores(attention_maps(model, ids), ids)["duplicate-token"]  # defined: "ll", or the pair
         torch.testing.assert_close(torch.tensor(result["scores"]["duplicate-token"]), expected)
-    assert cli(["heads", "--ckpt", str(tmp_path / "run"), "--length", "17", "--out", str(tmp_path / "out")]) == 2
-    assert capsys.readouterr().err == ("selfattn heads: error: --length 17 shows 34 tokens, more than the model's "
-                                       "block_size=32; pass --length 16 or less\n")
-    assert cli(["heads", "--ckpt", str(tmp_path / "run"), "--length", "16", "--out", str(tmp_path / "out")]) == 0
+    assert cli(["heads", "--ckpt", str(tmp_path / "run"), "--random-tokens", "17", "--out", str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err == ("selfattn heads: error: --random-tokens 17 shows 34 tokens, more than the "
+                                       "model's block_size=32; pass --random-tokens 16 or less\n")
+    assert cli(["heads", "--ckpt", str(tmp_path / "run"), "--random-tokens", "16", "--out", str(tmp_path / "out")]) == 0

@@ -1,4 +1,4 @@
-"""`selfattn sample`: streaming, reproducible seeds, UTF-8 across tokens, every kind of --ckpt."""
+"""`selfattn sample`: text token by token, reproducible seeds, UTF-8 across tokens, every kind of --ckpt."""
 import dataclasses
 import os
 import subprocess
@@ -12,7 +12,7 @@ from selfattn.cli import sample as sample_cli
 from selfattn.generation import compile_decode, compiled, generate
 from selfattn.generation.compiled import compiled_of
 from selfattn.generation.int8 import quantize_int8
-from selfattn.generation.text import stream, text_pieces
+from selfattn.generation.text import new_tokens, text_pieces
 from selfattn.io import loading
 from selfattn.tokenizers import ByteTokenizer
 from selfattn.tokenizers.chat import ChatTemplate
@@ -51,14 +51,14 @@ def _sample(monkeypatch, *args):
     return terminal
 
 
-def test_streams_one_flush_per_token_and_reproduces_with_a_seed(run, monkeypatch):
+def test_prints_one_flush_per_token_and_reproduces_with_a_seed(run, monkeypatch):
     terminal = _sample(monkeypatch, "--ckpt", str(run), "--prompt", "The ", "--max-new-tokens", "40", "--seed", "7")
     writes = [t for kind, t in terminal.events if kind == "write"]
     assert terminal.events.count(("flush", None)) == 40  # the terminal sees every token as it comes
     assert writes[0] == "The " and writes[-1] == "\n"
     loaded = loading.load(run)
     model, tokenizer = loaded.model, loaded.tokenizer
-    tokens = list(stream(model.eval(), tokenizer.encode("The "), 40,
+    tokens = list(new_tokens(model.eval(), tokenizer.encode("The "), 40,
                                 generator=torch.Generator().manual_seed(7), temperature=0.8))
     assert terminal.text() == "The " + tokenizer.decode(tokens) + "\n"
     assert _sample(monkeypatch, "--ckpt", str(run), "--prompt", "The ", "--max-new-tokens", "40",
@@ -89,7 +89,7 @@ def test_generation_slides_past_block_size(run):
     loaded = loading.load(run)
     model, start = loaded.model.eval(), loaded.start_token
     block = model.config.block_size
-    long = list(stream(model, [start], 3 * block, temperature=0.0))
+    long = list(new_tokens(model, [start], 3 * block, temperature=0.0))
     assert len(long) == 3 * block
     direct = torch.cat(list(generate(model, torch.tensor([[start]]), block, temperature=0.0))).tolist()
     assert long[:block] == direct  # within one window, exactly generate(model, ...)
@@ -166,7 +166,7 @@ def test_quantize_int8_samples_with_the_int8_model(run, monkeypatch):
     [model] = quantised
     assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())  # every projection is int8
     tokenizer = loading.load(run).tokenizer
-    tokens = list(stream(model, tokenizer.encode("The "), 30, temperature=0))
+    tokens = list(new_tokens(model, tokenizer.encode("The "), 30, temperature=0))
     assert text == "The " + tokenizer.decode(tokens) + "\n"  # what the int8 model writes
 
 
@@ -215,7 +215,7 @@ def _with_chat(run, monkeypatch):
 def test_a_chat_longer_than_the_context_is_refused_before_generating(run, monkeypatch, capsys, message, new, fix):
     _with_chat(run, monkeypatch)  # block_size 16
     generated = []
-    monkeypatch.setattr(sample_cli, "stream", lambda *a, **kw: generated.append(a) or iter(()))
+    monkeypatch.setattr(sample_cli, "new_tokens", lambda *a, **kw: generated.append(a) or iter(()))
     args = ["sample", "--ckpt", str(run), "--chat", message, "--max-new-tokens"]
     assert main([*args, str(new)]) == 2
     out, err = capsys.readouterr()
@@ -228,15 +228,15 @@ def test_a_chat_longer_than_the_context_is_refused_before_generating(run, monkey
         assert main([*args, str(new - 1)]) == 0 and generated
 
 
-@pytest.mark.parametrize("prompt, streamed, printed", [("The", " cat", "The cat\n"), ("The", "", "The\n"),
+@pytest.mark.parametrize("prompt, generated, printed", [("The", " cat", "The cat\n"), ("The", "", "The\n"),
                                                        ("The", " cat\n", "The cat\n"), ("", "", "")])
-def test_ctrl_c_ends_the_streamed_line_before_the_message(run, monkeypatch, capsys, prompt, streamed, printed):
-    tokens = loading.load(run).tokenizer.encode(streamed)
+def test_ctrl_c_ends_the_printed_line_before_the_message(run, monkeypatch, capsys, prompt, generated, printed):
+    tokens = loading.load(run).tokenizer.encode(generated)
 
     def interrupted(*args, **kwargs):
         yield from tokens
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(sample_cli, "stream", interrupted)
+    monkeypatch.setattr(sample_cli, "new_tokens", interrupted)
     assert main(["sample", "--ckpt", str(run), "--prompt", prompt]) == 130
     assert capsys.readouterr() == (printed, "selfattn sample: interrupted\n")  # a line of its own; no blank line

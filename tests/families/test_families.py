@@ -233,7 +233,7 @@ def test_a_folder_without_a_readable_tokenizer_loads_and_text_commands_say_why_n
     assert main(["export", "--ckpt", str(folder), "--out", str(tmp_path / "hf")]) == 2  # a Mistral, but no text
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "has no tokenizer selfattn can read" in err and not (tmp_path / "hf").exists()
-    assert main(["heads", "--ckpt", str(folder), "--length", "4", "--out", str(tmp_path / "heads")]) == 0
+    assert main(["heads", "--ckpt", str(folder), "--random-tokens", "4", "--out", str(tmp_path / "heads")]) == 0
 
 
 def test_a_byte_level_bpe_tokenizer_is_loaded_and_samples(tmp_path, capsys):

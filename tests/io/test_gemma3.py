@@ -77,7 +77,7 @@ def test_without_taking_the_norm_offset_off_the_continuation_is_gibberish(f32): 
                                      ["check", "--method", "perturb", "--seq-len", "8"],
                                      ["heads", "--text", "the cat sat, the cat sat", "--layers", "0,17"],
                                      ["explore", "--text", "the cat sat, the cat sat"],
-                                     ["eval", "--window", "32"]])
+                                     ["eval", "--context", "32"]])
 def test_sample_check_heads_explore_and_eval_run_on_the_q4_k_m_file(command, tmp_path, capsys):
     (tmp_path / "text.txt").write_text("The capital of France is Paris. The capital of Italy is Rome. " * 4)
     out = {"heads": ["--out", str(tmp_path / "heads")], "explore": ["--out", str(tmp_path / "page.html")],

@@ -73,7 +73,7 @@ def test_paths_without_a_model_are_value_errors_naming_the_path(tmp_path, make, 
 
 
 @pytest.mark.parametrize("command", [["check"], ["sample", "--max-new-tokens", "3", "--seed", "0"],
-                                     ["heads", "--length", "4"]])
+                                     ["heads", "--random-tokens", "4"]])
 def test_every_command_takes_every_kind_of_model_path(command, run, tmp_path, capsys):
     folder = gpt2_folder(tmp_path / "gpt2")
     extra = ["--out", str(tmp_path / "heads")] if command[0] == "heads" else []

@@ -181,11 +181,11 @@ def test_perplexity_equals_transformers_reading_the_same_file(ours):
     hf = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
     hf.eval()
     ids = ours.tokenizer.encode(PARAGRAPH)
-    got = perplexity(ours.model, ids, window=128, stride=64)
+    got = perplexity(ours.model, ids, context=128, stride=64)
     loss, predicted = guide_perplexity(hf, ids, 128, 64)
     expected = torch.tensor(loss, dtype=torch.float64).exp().item()
-    print(f"SmolLM2 Q4_1 on {len(ids)} tokens, {got.windows} windows: perplexity ours {got.perplexity:.5f}, "
+    print(f"SmolLM2 Q4_1 on {len(ids)} tokens, {got.contexts} contexts: perplexity ours {got.perplexity:.5f}, "
           f"transformers {expected:.5f}, relative difference {abs(got.perplexity / expected - 1):.1e}")
-    assert 250 <= len(ids) <= 400 and got.tokens == predicted == len(ids) - 1 and got.windows >= 4
+    assert 250 <= len(ids) <= 400 and got.tokens == predicted == len(ids) - 1 and got.contexts >= 4
     assert got.perplexity == pytest.approx(expected, rel=1e-3)
     assert 1 < got.perplexity < 100  # English text: a model that reads it predicts it

@@ -1,4 +1,4 @@
-"""Perplexity over sliding windows (selfattn.training.evaluate, `selfattn eval`): the number transformers'
+"""Perplexity over sliding contexts (selfattn.training.evaluate, `selfattn eval`): the number transformers'
 perplexity guide computes on the same ids, for disjoint, overlapping and short windows; the
 command prints it; bad input is one line before the model loads. On chat data: the loss over the
 assistant's tokens only, checked on SmolLM2 against the model's own logits."""
@@ -57,12 +57,12 @@ def test_equals_the_guide_on_transformers(gpt2, case):
     ours, hf = gpt2
     (n, window, stride), (windows, tokens) = CASES[case]
     ids = ids_of(n)
-    got = perplexity(ours, ids, window=window, stride=stride)
+    got = perplexity(ours, ids, context=window, stride=stride)
     loss, predicted = guide_perplexity(hf, ids, window, stride)
     expected = math.exp(loss)
     print(f"{case}: perplexity ours {got.perplexity:.7f}, transformers {expected:.7f}, "
           f"relative difference {abs(got.perplexity / expected - 1):.1e}")
-    assert (got.windows, got.tokens, got.window, got.stride) == (windows, tokens, window, stride)
+    assert (got.contexts, got.tokens, got.context, got.stride) == (windows, tokens, window, stride)
     assert predicted == tokens
     assert got.loss == pytest.approx(loss, rel=1e-5) and got.perplexity == pytest.approx(expected, rel=1e-5)
     assert got.perplexity == pytest.approx(math.exp(got.loss), rel=1e-12)
@@ -75,28 +75,28 @@ def test_a_wrong_masking_or_averaging_is_caught(gpt2, wrong):
     predicted twice, some with less context) or when the windows' means are averaged."""
     ours, hf = gpt2
     ids = ids_of(100)
-    got = perplexity(ours, ids, window=32, stride=8)
+    got = perplexity(ours, ids, context=32, stride=8)
     loss, _ = guide_perplexity(hf, ids, 32, 8, wrong=wrong)
     print(f"{wrong}: loss ours {got.loss:.6f}, wrong reference {loss:.6f}")
     assert got.loss != pytest.approx(loss, rel=1e-3)
 
 
-def test_defaults_read_disjoint_windows_of_block_size(gpt2):
+def test_defaults_read_disjoint_contexts_of_block_size(gpt2):
     ours, _ = gpt2
     ids = torch.tensor(ids_of(100))
     got = perplexity(ours.eval(), ids)
-    assert got == perplexity(ours, ids.tolist(), window=BLOCK, stride=BLOCK) and (got.window, got.stride) == (32, 32)
+    assert got == perplexity(ours, ids.tolist(), context=BLOCK, stride=BLOCK) and (got.context, got.stride) == (32, 32)
     assert not ours.training  # an eval model stays in eval mode
     ours.train()
 
 
 @pytest.mark.parametrize("kwargs, error, message", [
-    (dict(window=0), ValueError, "window must be a positive int, got 0"),
+    (dict(context=0), ValueError, "context must be a positive int, got 0"),
     (dict(stride=-1), ValueError, "stride must be a positive int, got -1"),
-    (dict(window=8.0), TypeError, "window must be an int, got float 8.0"),
-    (dict(window=8, stride=9), ValueError, "stride=9 is larger than window=8"),
-    (dict(window=33), ValueError, "window=33 is longer than the model reads (block_size=32)"),
-    (dict(stride=33), ValueError, "stride=33 is larger than window=32"),
+    (dict(context=8.0), TypeError, "context must be an int, got float 8.0"),
+    (dict(context=8, stride=9), ValueError, "stride=9 is larger than context=8"),
+    (dict(context=33), ValueError, "context=33 is longer than the model reads (block_size=32)"),
+    (dict(stride=33), ValueError, "stride=33 is larger than context=32"),
     (dict(ids=[5]), ValueError, "at least 2 tokens (one read, one predicted), got 1"),
     (dict(ids=[]), ValueError, "at least 2 tokens (one read, one predicted), got 0"),
     (dict(ids=[[1, 2, 3]]), TypeError, "ids must be a 1-D sequence of token ids, got torch.int64 of shape (1, 3)"),
@@ -124,20 +124,20 @@ def run(tmp_path_factory):
     return root / "run", root / "text.txt"
 
 
-@pytest.mark.parametrize("flags, window, stride", [([], 16, 16), (["--window", "12", "--stride", "5"], 12, 5),
+@pytest.mark.parametrize("flags, context, stride", [([], 16, 16), (["--context", "12", "--stride", "5"], 12, 5),
                                                     (["--stride", "4"], 16, 4)])
-def test_the_command_prints_the_librarys_perplexity(run, capsys, flags, window, stride):
+def test_the_command_prints_the_librarys_perplexity(run, capsys, flags, context, stride):
     ckpt, data = run
     capsys.readouterr()
     assert main(["eval", "--ckpt", str(ckpt), "--data", str(data), "--device", "cpu", *flags]) == 0
     lines = capsys.readouterr().out.splitlines()
     loaded = loading.load(ckpt)
     ids = loaded.require_tokenizer().encode(TEXT)
-    expected = perplexity(loaded.model, ids, window=window, stride=stride)
+    expected = perplexity(loaded.model, ids, context=context, stride=stride)
     print("\n".join(lines))
     assert lines[-1] == f"perplexity {expected.perplexity:.6g}" and lines[-2] == f"loss {expected.loss:.6g}"
     assert f"{len(ids):,} tokens, {expected.tokens:,} predicted" in lines[1]
-    assert f"{expected.windows} windows of up to {window} tokens, stride {stride}" in lines[2]
+    assert f"{expected.contexts} contexts of up to {context} tokens, stride {stride}" in lines[2]
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -146,8 +146,8 @@ def test_the_command_prints_the_librarys_perplexity(run, capsys, flags, window, 
     (["--data", "/dev/null"], "data path '/dev/null' is not a regular file or a folder (a device or a pipe?)"),
     (["--data", "{folder}"], "--data '{folder}' is a folder; give a text file"),
     (["--data", "{text}", "--stride", "0"], "--stride must be a positive number of tokens, got 0"),
-    (["--data", "{text}", "--window", "-3"], "--window must be a positive number of tokens, got -3"),
-    (["--data", "{text}", "--window", "8", "--stride", "9"], "--stride 9 is larger than --window 8"),
+    (["--data", "{text}", "--context", "-3"], "--context must be a positive number of tokens, got -3"),
+    (["--data", "{text}", "--context", "8", "--stride", "9"], "--stride 9 is larger than --context 8"),
 ])
 def test_bad_input_is_one_line_before_the_model_loads(run, tmp_path, capsys, monkeypatch, flags, message):
     ckpt, text = run
@@ -161,7 +161,7 @@ def test_bad_input_is_one_line_before_the_model_loads(run, tmp_path, capsys, mon
     assert err.count("\n") == 1 and err.startswith("selfattn eval: error: ") and message.format(**names) in err, err
 
 
-def test_a_stride_past_the_default_window_is_refused_naming_block_size(run, capsys):
+def test_a_stride_past_the_default_context_is_refused_naming_block_size(run, capsys):
     ckpt, text = run
     assert main(["eval", "--ckpt", str(ckpt), "--data", str(text), "--stride", "17"]) == 2
     err = capsys.readouterr().err
@@ -230,9 +230,9 @@ def test_the_command_on_a_chat_file_measures_the_assistants_tokens_only(tmp_path
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--window", "8"], "--window and --stride read a text in windows; the chat file '{chat}' is read one whole "
-                        "conversation a forward"),
-    (["--stride", "8"], "--window and --stride read a text in windows"),
+    (["--context", "8"], "--context and --stride read a text in sliding contexts; the chat file '{chat}' is read "
+                         "one whole conversation a forward"),
+    (["--stride", "8"], "--context and --stride read a text in sliding contexts"),
     ([], "{chat} line 2: not JSON"),
 ])
 def test_bad_chat_input_is_one_line_before_the_model_loads(run, tmp_path, capsys, monkeypatch, flags, message):
