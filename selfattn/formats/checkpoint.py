@@ -10,6 +10,9 @@ A checkpoint ``RUN/ckpt-0000200.safetensors`` holds
   tensor's name, dtype, shape and bytes, and the header's canonical JSON (``sort_keys``) without the
   digest. It is checked on every read, so a one-digit edit of ``"step"`` or ``"lr"`` is refused.
 
+Beside them, ``RUN/best.safetensors`` (:data:`BEST`) is the checkpoint of the evaluation with the
+lowest val loss; a run folder given to a command that loads it means that one (:func:`read_run`).
+
 A truncated, corrupted or foreign file is a :class:`CheckpointError` naming the file; when the
 newest checkpoint of a run folder is damaged, :func:`read_latest` also names the newest older
 one that is intact and how to continue from it. Writing them (atomically, and pruning) is
@@ -31,6 +34,7 @@ FORMAT = "selfattn-checkpoint-2"
 _OLDER = {"selfattn-checkpoint-1": "its digest covers the tensors but not the header"}  # formats this one replaced
 _HEADER_KEYS = ("meta", "aliases", "param_groups", "optim_scalars", "sha256")
 _NAME = re.compile(r"^ckpt-(\d+)\.safetensors$")
+BEST = "best.safetensors"  # a run's checkpoint of the lowest val loss, kept apart from the newest ones
 
 
 class CheckpointError(ValueError):
@@ -45,6 +49,14 @@ def latest(run_dir: str | os.PathLike) -> Path | None:
     """The checkpoint with the highest step in ``run_dir``, or None."""
     found = checkpoints(Path(run_dir))
     return found[-1][1] if found else None
+
+
+def read_run(run_dir: str | os.PathLike) -> tuple[Path, dict[str, torch.Tensor], dict] | None:
+    """(path, tensors, header) of the checkpoint a run folder gives the commands that load it: its
+    best by val loss (:data:`BEST`) when it has one, else its newest (:func:`read_latest`); None when
+    it has none. Resuming reads the newest, never this."""
+    best = Path(run_dir) / BEST
+    return (best, *read(best)) if best.is_file() else read_latest(run_dir)
 
 
 def read_latest(run_dir: str | os.PathLike) -> tuple[Path, dict[str, torch.Tensor], dict] | None:

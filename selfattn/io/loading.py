@@ -1,7 +1,8 @@
 """One loader for every model path a command accepts: a run folder, a checkpoint file, a local
 folder written by ``transformers``' ``save_pretrained``, or a GGUF file of llama.cpp.
 
-- run folder of ``selfattn train``: its newest ``ckpt-*.safetensors``;
+- run folder of ``selfattn train``: its best checkpoint by val loss (``best.safetensors``), else its
+  newest ``ckpt-*.safetensors``;
 - checkpoint file: ``ckpt-*.safetensors``, or a ``torch.save`` state dict (``.pt``, ``.pth``,
   ``.bin``, loaded with ``weights_only=True``) beside the run's ``config.json``;
 - ``transformers`` folder (a ``config.json`` with a ``model_type``), dispatched on its
@@ -116,7 +117,7 @@ def _read(path: Path, merge: bool = True) -> Loaded:
     if path.is_file() and (path.suffix == ".gguf" or gguf.is_gguf(path)):
         return _load_gguf(path)
     if path.is_dir():
-        found = checkpoint.read_latest(path)  # checkpoints first: a run folder's config.json is our own
+        found = checkpoint.read_run(path)  # checkpoints first: a run folder's config.json is our own
         if found is None and is_transformers_folder(path):
             return _load_transformers(path)
         if found is None:

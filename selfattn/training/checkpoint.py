@@ -21,6 +21,7 @@ from torch import nn
 from selfattn._util import files as _files
 from selfattn._util.validate import one_line
 from selfattn.formats.checkpoint import (  # noqa: F401  (the format's names, public here too)
+    BEST,
     FORMAT,
     CheckpointError,
     checkpoints,
@@ -30,6 +31,7 @@ from selfattn.formats.checkpoint import (  # noqa: F401  (the format's names, pu
     path_for,
     read,
     read_latest,
+    read_run,
     read_weights,
     weights_of,
 )
@@ -37,9 +39,10 @@ from selfattn.training.parallel import rank, unwrap
 
 
 def save(run_dir: str | os.PathLike, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, *,
-         meta: dict, keep: int) -> Path:
+         meta: dict, keep: int, best: bool = False) -> Path:
     """Write ``ckpt-<step>.safetensors`` atomically (``run_dir`` is created if missing) and keep
-    the newest ``keep`` checkpoints.
+    the newest ``keep`` checkpoints; with ``best``, write the run's best checkpoint instead
+    (``best.safetensors``: its weights alone, for using, not resuming; replaced, never pruned).
 
     ``meta`` is any JSON-serialisable dict (configs, progress); it comes back from :func:`load`.
     ``model`` may be wrapped in DDP, FSDP2 or ``torch.compile``. Collective under distributed.
@@ -49,7 +52,9 @@ def save(run_dir: str | os.PathLike, step: int, model: nn.Module, optimizer: tor
 
     model_sd, optim_sd = get_state_dict(model, optimizer,
                                         options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    path = path_for(run_dir, step)
+    if best:  # the best is for using, never for resuming: its weights alone
+        optim_sd = {"state": {}, "param_groups": []}
+    path = Path(run_dir) / BEST if best else path_for(run_dir, step)
     if rank() != 0:
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -68,7 +73,8 @@ def save(run_dir: str | os.PathLike, step: int, model: nn.Module, optimizer: tor
                                     "param_groups": optim_sd["param_groups"], "optim_scalars": scalars}))
     header["sha256"] = digest(tensors, header)
     _write_atomic(path, tensors, json.dumps(header))
-    _prune(Path(run_dir), keep)
+    if not best:
+        _prune(Path(run_dir), keep)
     return path
 
 
@@ -145,6 +151,7 @@ def remove_temporaries(run_dir: str | os.PathLike) -> None:
     and those of the safetensors writer itself (``.tmpXXXXXX``, renamed to ours when complete).
     Only where no save is in flight: one run saves in a run folder (its lock)."""
     _files.remove_temporaries(run_dir, "ckpt-*.safetensors")
+    _files.remove_temporaries(run_dir, BEST)
     for tmp in Path(run_dir).glob(".tmp??????"):
         tmp.unlink(missing_ok=True)
 

@@ -35,6 +35,11 @@ class TrainConfig:
     seed: int = described(0, 'seeds the initial weights, the batches and the dropout masks')
     device: str = described("auto", '"auto" (CUDA if available, else CPU) or a torch device: "cpu", "cuda", "mps"')
     bf16: bool = described(False, 'bfloat16 autocast for forward and backward; weights and AdamW state stay float32')
+    general_data: str | None = described(None, "with --init-from: a text the model's loss is measured on at every "
+                                               "evaluation, beside the task's, to catch forgetting; none = the "
+                                               "built-in corpus (Python's docs)")
+    general_tokens: int = described(2048, "with --init-from: tokens of general_data measured each time; 0 = no "
+                                          "general check")
     lora_rank: int | None = described(None, "with --init-from: train LoRA adapters of this rank on the attention "
                                             "projections, every weight of the model frozen; none = train all weights")
     lora_alpha: float | None = described(None, "LoRA's scale is alpha / rank; none = 2 * rank")
@@ -56,6 +61,9 @@ class TrainConfig:
             raise ValueError(f"context_parallel={self.context_parallel} runs with DDP, eagerly: not with "
                              f"{'fsdp' if self.fsdp else 'compile'}")
         _validate.count("warmup_steps", self.warmup_steps)
+        _validate.count("general_tokens", self.general_tokens)
+        if self.init_from is None and self.general_data is not None:
+            raise ValueError("general_data measures what a fine-tune forgets: give --init-from too")
         if self.seq_len is not None:
             _validate.positive_int("seq_len", self.seq_len)
         if self.pack and self.context_parallel > 1:

@@ -45,7 +45,7 @@ from selfattn.config import GPTConfig
 from selfattn.distributed import SequenceShard
 from selfattn.loss import IGNORE
 from selfattn.model import GPT
-from selfattn.training import chat, checkpoint, data, finetune, lock, parallel
+from selfattn.training import chat, checkpoint, data, finetune, forgetting, lock, parallel
 from selfattn.training.config import TrainConfig
 
 
@@ -62,10 +62,12 @@ class TrainResult:
     val_loss: float  # the last validation loss
     tokens_per_s: float | None  # mean training rate of this call (the first step, warm-up, left out)
     checkpoint: Path | None  # the newest checkpoint
+    watch: forgetting.Watch  # the evaluations: the best val loss and its step (best.safetensors), the start's
 
 
 # on_event(kind, record), on rank 0 only: kind "start" (the run described), "step" (a log.jsonl
-# record of one optimizer step) or "eval" (a validation record, with the last train loss).
+# record of one optimizer step) or "eval" (an evaluation: step, val_loss, general_loss (None: no
+# general check), the last train loss (None at step 0), best_step and the warnings it raises).
 OnEvent = Callable[[str, dict], None]
 
 
@@ -115,6 +117,8 @@ def _train(model_cfg: GPTConfig, cfg: TrainConfig, out: Path, resume_from: Path 
     start_from = None if cfg.init_from is None else finetune.begin(
         cfg.init_from, model_cfg, _adapters(cfg), saved and saved[1]["meta"])
     corpus = _prepare_data(out, cfg, seq_len, rank, trained_on, start_from)
+    general = None if start_from is None or not cfg.general_tokens else forgetting.general_rows(
+        corpus.tokenizer, cfg.general_data, cfg.general_tokens, seq_len)  # (R, seq_len + 1)
     if start_from is None:
         model_cfg = dataclasses.replace(model_cfg, vocab_size=corpus.tokenizer.vocab_size)
     raw = (GPT(model_cfg) if start_from is None else start_from.model).to(device)
@@ -139,10 +143,22 @@ def _train(model_cfg: GPTConfig, cfg: TrainConfig, out: Path, resume_from: Path 
             "data": {"fingerprint": corpus.fingerprint, "description": corpus.description}}
     if start_from is not None:
         meta |= start_from.meta
+    watch = forgetting.Watch.of(records)
     if start >= cfg.max_steps:
-        return TrainResult(out, start, 0, log.last("val_loss"), None, checkpoint.latest(out))
+        return TrainResult(out, start, 0, log.last("val_loss"), None, checkpoint.latest(out), watch)
+
+    def evaluate(step: int, loss: float | None) -> None:
+        val = run.evaluate()
+        general_loss = None if general is None else run.loss_on(general)
+        log.add({"step": step, "val_loss": val} | ({} if general_loss is None else {"general_loss": general_loss}))
+        warnings = watch.add(step, val, general_loss)
+        if watch.best_step == step:
+            checkpoint.save(out, step, run.model, run.optimizer, meta={**meta, "step": step}, keep=cfg.keep, best=True)
+        report("eval", {"step": step, "loss": loss, "val_loss": val, "general_loss": general_loss,
+                        "best_step": watch.best_step, "warnings": warnings})
+
     if start == 0:
-        log.add({"step": 0, "val_loss": run.evaluate()})
+        evaluate(0, None)
     tokens_per_step = cfg.batch_size * seq_len
     seconds = []  # per step, for the mean rate
     for step in range(start + 1, cfg.max_steps + 1):
@@ -159,15 +175,15 @@ def _train(model_cfg: GPTConfig, cfg: TrainConfig, out: Path, resume_from: Path 
         log.add(record)
         report("step", record)
         if step % cfg.eval_every == 0 or step == cfg.max_steps:
-            log.add({"step": step, "val_loss": run.evaluate()})
+            evaluate(step, loss)
             log.plot()
-            report("eval", {"step": step, "loss": loss, "val_loss": log.last("val_loss")})
         if step % cfg.save_every == 0 or step == cfg.max_steps:
             checkpoint.save(out, step, run.model, run.optimizer, meta={**meta, "step": step}, keep=cfg.keep)
     log.plot()
     timed = seconds[1:] or seconds  # the first step pays for warm-up (and compilation)
     rate = tokens_per_step * len(timed) / sum(timed)
-    return TrainResult(out, cfg.max_steps, cfg.max_steps - start, log.last("val_loss"), rate, checkpoint.latest(out))
+    return TrainResult(out, cfg.max_steps, cfg.max_steps - start, log.last("val_loss"), rate, checkpoint.latest(out),
+                       watch)
 
 
 def _adapters(cfg: TrainConfig) -> dict | None:
@@ -239,16 +255,28 @@ class _Run:
     @torch.no_grad()
     def evaluate(self) -> float:
         """Mean loss over ``eval_batches`` fixed batches of the val split, rows shared among ranks."""
-        self.model.eval()
         rows = self.cfg.batch_size // self.cfg.grad_accum
-        total = torch.zeros((), device=self.device)
-        for i in range(self.cfg.eval_batches):
-            x, y, doc_ids = self.corpus.batch("val", seed=self.cfg.seed, step=i, batch_size=rows,
-                                              part=self.rows.part, parts=self.rows.parts)
+        return self._mean_loss((*self.corpus.batch("val", seed=self.cfg.seed, step=i, batch_size=rows,
+                                                   part=self.rows.part, parts=self.rows.parts), 1)
+                               for i in range(self.cfg.eval_batches))
+
+    @torch.no_grad()
+    def loss_on(self, rows: Tensor) -> float:
+        """Mean loss on ``rows`` ``(R, T + 1)`` of tokens (each row's first T read, its last T predicted),
+        every rank reading them all, a micro-step's rows at a time."""
+        chunks = rows.split(max(self.cfg.batch_size // self.cfg.grad_accum, 1))
+        return self._mean_loss((c[:, :-1], c[:, 1:], None, len(c)) for c in chunks)
+
+    def _mean_loss(self, batches) -> float:
+        """The mean of the model's loss over ``batches`` of (x, y, doc_ids, weight), in eval mode, over all ranks."""
+        self.model.eval()
+        total, weights = torch.zeros((), device=self.device), 0
+        for x, y, doc_ids, weight in batches:
             with self.autocast:
-                total += self._forward(x, y, doc_ids)[1].float()
+                total += self._forward(x, y, doc_ids)[1].float() * weight
+            weights += weight
         self.model.train()
-        return parallel.mean_over_ranks(total / self.cfg.eval_batches, self.world).item()
+        return parallel.mean_over_ranks(total / weights, self.world).item()
 
     def _forward(self, x: Tensor, y: Tensor, doc_ids: Tensor | None) -> tuple[None, Tensor]:
         """The model on this rank's part of rows x, targets y (packed documents: doc_ids): every

@@ -29,13 +29,19 @@ def _same_weights(a, b) -> bool:
     return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
 
 
-def test_a_run_folder_loads_its_newest_checkpoint(run):
-    loaded = loading.load(run)
-    assert loaded.source == run / "ckpt-0000004.safetensors"
+def test_a_run_folder_loads_its_best_checkpoint_else_its_newest(run, tmp_path):
+    loaded = loading.load(run)  # one evaluation after step 0, at step 4: the best
+    assert loaded.source == run / "best.safetensors" and checkpoint.load(loaded.source)["step"] == 4
+    assert _same_weights(loaded.model, loading.load(run / "ckpt-0000004.safetensors").model)
     assert loaded.start_token == loaded.tokenizer.encode("\n")[0] and loaded.model.training
     older = loading.load(run / "ckpt-0000002.safetensors")
     assert older.source.name == "ckpt-0000002.safetensors"
     assert not _same_weights(older.model, loaded.model)  # control: two steps of training changed the weights
+    without = tmp_path / "without-best"  # a run without a best (written before there was one): its newest
+    without.mkdir()
+    for step in (2, 4):
+        (without / f"ckpt-000000{step}.safetensors").write_bytes((run / f"ckpt-000000{step}.safetensors").read_bytes())
+    assert loading.load(without).source == without / "ckpt-0000004.safetensors"
 
 
 def test_a_checkpoint_file_and_a_torch_save_state_dict_load_the_same_model(run):

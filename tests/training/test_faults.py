@@ -150,6 +150,12 @@ def test_an_edited_header_is_refused_by_every_command(whole, tmp_path, capsys):
     raw = newest.read_bytes()
     newest.write_bytes(raw.replace(b'\\"step\\": 8', b'\\"step\\": 9', 1))  # one digit, same length
     assert newest.read_bytes() != raw
+    best = run / "best.safetensors"  # a folder means its best: edited too, it is refused naming itself
+    step = checkpoint.load(best)["step"]  # one digit: the run has 8 steps
+    best.write_bytes(best.read_bytes().replace(f'\\"step\\": {step}'.encode(), f'\\"step\\": {step + 1}'.encode(), 1))
+    assert main(["sample", "--ckpt", str(run)]) == 2
+    assert f"checkpoint {best} is corrupted (SHA-256" in capsys.readouterr().err
+    best.unlink()  # and without it, the folder means its newest
     before = {p: _sha(p) for p in run.rglob("*") if p.is_file()}
     for command in (["sample", "--ckpt", str(run)], ["sample", "--ckpt", str(newest)],
                     ["train", "--resume", "--out", str(run)], ["check", "--ckpt", str(run)]):
