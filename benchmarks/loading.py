@@ -27,13 +27,11 @@ from pathlib import Path
 
 import torch
 
-from benchmarks import common, llama_cpp
+from benchmarks import assets, common, llama_cpp
 from selfattn._util import plot as _plot
 from selfattn._util import validate as _validate
 
-MODELS = Path(__file__).resolve().parents[1] / ".cache" / "models"
-FILES = {"SmolLM2-135M Q4_1": MODELS / "SmolLM2-135M-Instruct.Q4_1.gguf",
-         "Gemma 3 270M Q4_K_M": MODELS / "gemma-3-270m-q4_k_m.gguf"}
+FILES = {"SmolLM2-135M Q4_1": assets.SMOLLM2.path, "Gemma 3 270M Q4_K_M": assets.GEMMA3.path}  # `make models`
 GOALS = {"SmolLM2-135M Q4_1": 1.5, "Gemma 3 270M Q4_K_M": 3.0}  # seconds to ready, after imports (the issue's)
 TIMEOUT_S = 600.0
 _OURS = """

