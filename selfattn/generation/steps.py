@@ -8,6 +8,7 @@ given to :func:`~selfattn.generation.compiled.compile_decode`. :func:`steps_of` 
 """
 from __future__ import annotations
 
+import warnings
 import weakref
 from collections.abc import Sequence
 
@@ -53,8 +54,16 @@ _compiled: weakref.WeakKeyDictionary[GPT, Steps] = weakref.WeakKeyDictionary()  
 
 
 def steps_of(model: GPT) -> Steps:
-    """The forwards ``model`` decodes with: its compiled ones after ``compile_decode(model)``, else eager."""
-    return _compiled.get(model) or Steps(model)
+    """The forwards ``model`` decodes with: its compiled ones after ``compile_decode(model)``, else eager.
+    Eager too while ``model.tap`` is set (hooks): the compiled steps never call it, so that they would
+    decode as if unhooked; a UserWarning says so (once: one place warns, and Python's default filter shows
+    a place's warning once)."""
+    steps = _compiled.get(model)
+    if steps is not None and model.tap is not None:
+        warnings.warn("a hooked model (model.tap set) decodes eagerly: its compiled steps (the decode kernel, "
+                      "graphs) never call the tap")
+        return Steps(model)
+    return steps or Steps(model)
 
 
 def set_compiled(model: GPT, steps: Steps | None) -> None:
