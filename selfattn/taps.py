@@ -61,12 +61,16 @@ def affine(norm: nn.Module) -> tuple[bool, Tensor | None, Tensor | None]:
     return False, norm.weight + norm.offset if norm.offset else norm.weight, None
 
 
+_NORM_SITES = ("hook_in", "hook_scale", "hook_normalized")
+
+
 def normed(norm: nn.Module, x: Tensor, tap: Tap | None) -> Tensor:
     """``norm(x)``, with the sites ``hook_in`` (x), ``hook_scale`` ``(..., 1)`` (the divisor ``sqrt(mean(x'²) + eps)``
     of the centred (LayerNorm) or plain (RMSNorm) input x', in float32 at least) and
-    ``hook_normalized`` (``x' / scale``, before the weight and bias) under a tap. An identity norm
-    has no sites. A replaced scale or normalized input flows on through the weight and bias."""
-    if tap is None or isinstance(norm, nn.Identity):
+    ``hook_normalized`` (``x' / scale``, before the weight and bias) under a tap that asks for any of
+    them (they cost a second pass over x). An identity norm has no sites. A replaced scale or
+    normalized input flows on through the weight and bias."""
+    if tap is None or isinstance(norm, nn.Identity) or not any(map(tap.asks, _NORM_SITES)):
         return norm(x)
     centres, weight, bias = affine(norm)
     x = tap("hook_in", x)
