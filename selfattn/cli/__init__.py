@@ -32,6 +32,8 @@ GROUPS = {
         "check": "audit causality: every backend x option, a tiny GPT and its cache, a model, or your module",
         "explore": "one self-contained HTML page: head view, model view, head roles, next-token predictions",
         "heads": "attention maps and ranked head roles (previous-token, induction) of a model",
+        "lens": "the logit lens: each layer's top next tokens at chosen positions, and a heatmap",
+        "patch": "activation patching: the layers, positions or heads that carry a clean prompt's answer",
         "induction": "train a 2-layer attention-only GPT until induction heads form; 4 heads vs 1",
         "scaling": "why scores are scaled by 1/sqrt(head_dim): the softmax at init, three scalings",
         "demo": "the seed's worked example, computed live: shape walk, parameters, causality",
@@ -106,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         return INTERRUPTED
 
 
-TEXT_FLAGS = ("prompt", "chat", "text")  # flags whose value is text a tokenizer reads
+TEXT_FLAGS = ("prompt", "chat", "text", "clean", "corrupt", "answer", "wrong")  # text a tokenizer reads
 
 
 def _check_text_flags(args: argparse.Namespace) -> None:

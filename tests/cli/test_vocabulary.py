@@ -79,11 +79,11 @@ def test_the_shared_flags_have_one_definition():
             assert same, (name, flag)
             if flag != "--random-tokens":  # its default is each command's size of input
                 assert action.default == want.default or (flag == "--ckpt" and not action.required), (name, flag)
-    loading = {"sample", "serve", "eval", "heads", "explore", "check"}
+    loading = {"sample", "serve", "eval", "heads", "explore", "check", "lens", "patch"}
     assert all(set(takers[flag]) >= loading for flag in ("--ckpt", "--device", "--dtype"))
     assert set(takers["--ckpt"]) == loading | {"export"}  # export reads the model where it is, in float32
     assert set(takers["--seed"]) >= {"sample", "check", "demo", "heads", "explore", "scaling"}
-    assert set(takers["--random-tokens"]) == set(takers["--text"]) == {"heads", "explore"}
+    assert set(takers["--random-tokens"]) == set(takers["--text"]) == {"heads", "explore", "lens"}
     # the commands whose --seed and --device are config fields: the same default
     assert InductionConfig().seed == TrainConfig().seed == flags.SEED == 0
     assert TrainConfig().device == reference["--device"].default == "auto"
@@ -91,7 +91,7 @@ def test_the_shared_flags_have_one_definition():
 
 def test_every_out_says_whether_it_is_a_folder_or_a_file():
     outs = {name: _flags(name)["--out"] for name in COMMANDS if "--out" in _flags(name)}
-    assert set(outs) == {"train", "heads", "induction", "explore", "export", "calibrate"}
+    assert set(outs) == {"train", "heads", "induction", "explore", "export", "calibrate", "lens", "patch"}
     for name, action in outs.items():
         assert action.metavar in ("FOLDER", "FILE", "FOLDER|FILE.gguf"), (name, action.metavar)
         words = {"FOLDER": ["folder"], "FILE": ["file"], "FOLDER|FILE.gguf": ["folder", "file"]}[action.metavar]
@@ -150,27 +150,32 @@ def _spy(monkeypatch, module, name: str, seen: list) -> None:
 
 
 @pytest.mark.parametrize("dtype", [None, "bfloat16", "float16"])
-@pytest.mark.parametrize("command", ["sample", "eval", "heads", "explore", "check"])
+@pytest.mark.parametrize("command", ["sample", "eval", "heads", "explore", "check", "lens", "patch"])
 def test_dtype_casts_the_model_each_command_runs(run, command, dtype, monkeypatch, capsys):
     import selfattn.audit.suite
     import selfattn.cli.eval
     import selfattn.cli.explore
     import selfattn.cli.heads
+    import selfattn.cli.lens
+    import selfattn.cli.patch
     import selfattn.cli.sample
 
     where = {"sample": (selfattn.cli.sample, "new_tokens"), "eval": (selfattn.cli.eval, "perplexity"),
              "heads": (selfattn.cli.heads, "attention_maps"), "explore": (selfattn.cli.explore, "explore"),
-             "check": (selfattn.audit.suite, "model_cases")}[command]
+             "check": (selfattn.audit.suite, "model_cases"), "lens": (selfattn.cli.lens, "logit_lens"),
+             "patch": (selfattn.cli.patch, "patch")}[command]
     seen = []
     _spy(monkeypatch, *where, seen)
     rest = {"sample": ["--prompt", "the", "--max-new-tokens", "4"], "eval": ["--data", str(run / "text.txt")],
             "heads": ["--out", str(run / "heads")], "explore": ["--out", str(run / "page.html")],
-            "check": ["--method", "perturb"]}[command]
+            "check": ["--method", "perturb"], "lens": ["--text", "the cat", "--out", str(run / "lens.png")],
+            "patch": ["--clean", "the cat", "--corrupt", "the dog", "--answer", "x",
+                      "--out", str(run / "p.png")]}[command]
     argv = [command, "--ckpt", str(run / "run"), "--device", "cpu", *rest] + (["--dtype", dtype] if dtype else [])
     assert main(argv) == 0, capsys.readouterr().err
     assert seen == [getattr(torch, dtype or "float32")], (where[1], seen)  # float32 by default
     out = capsys.readouterr().out
-    if command in ("eval", "heads", "explore"):
+    if command in ("eval", "heads", "explore", "lens", "patch"):
         assert f"on cpu in {dtype or 'float32'}" in out.splitlines()[0]
 
 
