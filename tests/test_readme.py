@@ -11,6 +11,8 @@ from selfattn.generation import generate
 from selfattn.generation.compiled import compiled_of
 from selfattn.generation.steps import set_compiled
 
+from helpers.smollm2 import smollm2
+
 ROOT = Path(__file__).parents[1]
 README = (ROOT / "README.md").read_text()
 PAGES = {path: path.read_text() for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]}
@@ -56,6 +58,14 @@ def test_the_gpt_examples(capsys):
     assert len(capsys.readouterr().out.split()) == 50  # 50 streamed tokens
     exec(_block("idx  = torch.tensor("), scope)
     assert scope["out"].shape == (2, 10)
+
+
+def test_the_real_model_example(monkeypatch, capsys):
+    assert (ROOT / ".cache" / "models" / smollm2().name).resolve() == smollm2().resolve()  # the link make models left
+    monkeypatch.chdir(ROOT)  # the README's path is the clone's
+    scope = {}
+    exec(_block("import torch\nfrom selfattn.io.loading import load"), scope)
+    assert scope["new"].shape == (1, 8) and capsys.readouterr().out.startswith(" Paris.")  # what its comment says
 
 
 def test_the_compiled_decoding_example():
