@@ -49,9 +49,10 @@ test: setup $(CHROMIUM) models llama-cpp
 	$(BIN)/python -m pytest -q -n 2
 
 # The fast tier for the edit-test loop: the tests that need no model, no llama.cpp and no browser (marked
-# `external` in tests/conftest.py, which `make test` runs and fails when a part is missing).
+# `external` by tests/conftest.py; `make test` runs them, and fails where a part is missing), nor the heaviest
+# (marked `slow`), so that it ends within 5 minutes on 2 cores.
 check: setup
-	$(BIN)/python -m pytest -q -n 2 -m "not external"
+	$(BIN)/python -m pytest -q -n 2 -m "not external and not slow"
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache

@@ -121,6 +121,7 @@ def test_demo_prints_the_worked_example_live():
     assert "(1, 6, 16)" in other and "positions 0-3:      0.0 " in other and "0.3175" not in other
 
 
+@pytest.mark.slow  # make check leaves it out: one of its heaviest tests
 def test_cli_demo_and_one_line_errors():
     ok = subprocess.run([sys.executable, "-m", "selfattn", "demo"], capture_output=True, text=True)
     assert ok.returncode == 0 and "0.3175" in ok.stdout

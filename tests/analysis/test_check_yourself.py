@@ -59,6 +59,7 @@ def test_q1_the_demo_output_is_quoted_verbatim():
     assert quoted == demo_text()  # the whole output: exactly 0.0 before position 2, 0.3175 after
 
 
+@pytest.mark.slow  # make check leaves it out: one of its heaviest tests
 def test_q2_induction_output_has_the_quoted_rows_and_both_models_learn_in_context(tmp_path, capsys):
     _, quoted = _blocks()["induction"]
     labels = ["parameters", "loss, first half (nats)", "loss, repeated half (nats)", "in-context gain (nats)",

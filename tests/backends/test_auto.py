@@ -84,6 +84,7 @@ def test_auto_never_picks_a_backend_that_refuses(grad, dtype, dropout_p, weights
     assert not weights or name == "math"
 
 
+@pytest.mark.slow  # make check leaves it out: one of its heaviest tests
 def test_compiling_backends_can_be_kept_out_of_auto():
     q, k, v, mask = _request(doc_ids=(torch.arange(1024) * 16 // 1024)[None])
     try:

@@ -97,6 +97,7 @@ def _user_functions():
 
 
 @pytest.mark.skipif(flex.available(torch.device("cpu")) is not None, reason="needs a C++ compiler for flex")
+@pytest.mark.slow  # make check leaves it out: one of its heaviest tests
 def test_user_functions_equal_flexattention_forward():
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 

@@ -83,6 +83,7 @@ def test_the_kernel_serves_where_its_build_was_measured_faster(monkeypatch, isa)
     assert not matvec.attends()
 
 
+@pytest.mark.slow  # make check leaves it out: one of its heaviest tests
 def test_a_compiled_decode_step_attends_in_the_kernel_within_its_graph(kernel_calls):
     model = scrambled(small(pos="rope", n_kv_head=2)).to(torch.bfloat16)
     prompt = torch.randint(61, (1, 5))

@@ -345,6 +345,7 @@ print((peak - before) * unit, (out[:, :, -3:] - tail).abs().max().item(), ok)
 """
 
 
+@pytest.mark.slow  # make check leaves it out: one of its heaviest tests
 def test_memory_grows_with_t_not_t_squared():
     """Forward and backward at T = 16384 (one head): one float32 score tensor alone would be
     1 GiB; the tiled backend's peak resident memory grows by less than an eighth of that."""

@@ -23,6 +23,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @needs_triton
+@pytest.mark.slow  # make check leaves it out: one of its heaviest tests
 def test_kernels_under_the_interpreter():
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     child = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",

@@ -45,6 +45,7 @@ def _fresh_cache(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("flags", [True, False], ids=["every-flag", "no-flag"])
 @pytest.mark.parametrize("kernel", ["fwd_kernel", "bwd_dq_kernel", "bwd_dkdv_kernel"])
+@pytest.mark.slow  # make check leaves it out: one of its heaviest tests
 def test_the_kernels_build_for_sm90(kernel, flags):
     from selfattn.backends import triton_kernels
 

@@ -172,6 +172,7 @@ def test_tuning_at_first_use_measures_once_and_keeps_it(cache, monkeypatch):
     assert _choose(*_request(T=32)) == "sdpa" and calls == [1024]  # opt-in only
 
 
+@pytest.mark.slow  # make check leaves it out: one of its heaviest tests
 def test_cli_calibrate_writes_the_cache_and_show_says_what_auto_follows(cache, tmp_path, capsys):
     threads = str(torch.get_num_threads())  # as the CLI pins them: part of the machine's fingerprint
     assert cli_main(["calibrate", "--show", "--threads", threads]) == 0

@@ -159,6 +159,7 @@ def test_cli_reports_a_failed_check_with_exit_status_1(monkeypatch, tmp_path, ca
     assert not (tmp_path / "attention.json").exists()
 
 
+@pytest.mark.slow  # make check leaves it out: one of its heaviest tests
 def test_memory_of_a_materialising_implementation_grows_with_its_scores():
     specs = [memory.Spec(name, 1, 1024, 64, 1, "float32", ("fwd", "fwd+bwd"), 1) for name in ("math", "sdpa")]
     math_peak, sdpa_peak = (r["peak_bytes"] for r in memory.measure(specs, torch.device("cpu")))
@@ -212,6 +213,7 @@ def test_attention_quick_run_writes_json_and_plot(tmp_path, capsys):
     assert len(result["targets"]) == 5
 
 
+@pytest.mark.slow  # make check leaves it out: one of its heaviest tests
 def test_decode_quick_run_writes_json_and_plot(tmp_path, capsys):
     assert bench(["decode", "--quick", "--threads", "1", "--out", str(tmp_path), "--prompts", "8",
                      "--new-tokens", "6", "--reps", "2", "--batches", "1", "2", "--bandwidth-mib", "16"]) == 0
@@ -302,6 +304,7 @@ def _tiny_llama_folder(path):
     return model
 
 
+@pytest.mark.slow  # make check leaves it out: one of its heaviest tests
 def test_decode_ckpt_rows_time_ours_and_transformers_eager_and_sdpa_on_our_weights(tmp_path):
     model = _tiny_llama_folder(tmp_path / "llama")
     assert bench(["decode", "--quick", "--threads", "1", "--out", str(tmp_path / "out"), "--prompts", "4",
@@ -467,6 +470,7 @@ def test_train_check_fails_loudly_when_the_models_differ():
         train._check(nets, x, x)
 
 
+@pytest.mark.slow  # make check leaves it out: one of its heaviest tests
 def test_finetune_quick_run_checks_both_modes_and_writes_json_and_plot(tmp_path):
     assert bench(["finetune", "--quick", "--threads", "1", "--dtypes", "float32", "--out", str(tmp_path)]) == 0
     result = json.loads((tmp_path / "finetune.json").read_text())
@@ -559,6 +563,7 @@ def test_the_default_model_is_the_one_make_models_fetches():  # the benchmarks m
     assert decode.DEFAULT_CKPT == str(PATH)
 
 
+@pytest.mark.slow  # make check leaves it out: one of its heaviest tests
 def test_serving_quick_run_serves_each_count_of_clients_and_writes_json_and_plot(tmp_path):
     from benchmarks import serving
     assert bench(["serving", "--quick", "--threads", "1", "--out", str(tmp_path)]) == 0

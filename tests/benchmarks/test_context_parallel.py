@@ -17,6 +17,7 @@ def small_run():
     return cp.run(settings, CPU, log=lambda _: None)
 
 
+@pytest.mark.slow  # make check leaves it out: one of its heaviest tests
 def test_a_small_ring_meets_its_targets_and_writes_json_and_plot(small_run, tmp_path):
     one, ring = small_run["results"]
     assert (one["nproc"], ring["nproc"], ring["layout"]) == (1, 2, "zigzag")
@@ -30,6 +31,7 @@ def test_a_small_ring_meets_its_targets_and_writes_json_and_plot(small_run, tmp_
     json.dumps(small_run)
 
 
+@pytest.mark.slow  # make check leaves it out: one of its heaviest tests
 def test_targets_miss_when_memory_bytes_or_balance_are_off(small_run):
     bad = copy.deepcopy(small_run)
     ring = bad["results"][1]

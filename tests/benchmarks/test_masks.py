@@ -39,6 +39,7 @@ def test_each_cell_is_the_mask_it_names():
 GATE_TOLERANCE = {"float32": 1e-4, "bfloat16": 2e-2}  # against math in float64; bf16 rounds to 8 bits
 
 
+@pytest.mark.slow  # make check leaves it out: one of its heaviest tests
 def test_small_run_times_every_implementation_and_reports_auto_against_the_fastest(tmp_path, either_cpu):
     result = masks.run(_small(), CPU, log=lambda _: None)
     dtypes = ["float32", "bfloat16"] if either_cpu else ["float32"]  # bfloat16 where the CPU multiplies it

@@ -10,6 +10,7 @@ from benchmarks.cli import run as bench
 from benchmarks.speculative import PEERS
 
 
+@pytest.mark.slow  # make check leaves it out: one of its heaviest tests
 def test_quick_run_writes_every_row_and_its_arithmetic(tmp_path):
     assert bench(["speculative", "--quick", "--threads", "1", "--out", str(tmp_path), "--new-tokens", "8",
                  "--workloads", "edit"]) == 0

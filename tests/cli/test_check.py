@@ -77,6 +77,7 @@ def run_cli(*args, path=None):
 REFUSED = {"sdpa": ("softcap", "sinks"), "flex": ("sinks",)}  # cases a backend refuses, said as skipped
 
 
+@pytest.mark.slow  # make check leaves it out: one of its heaviest tests
 def test_every_builtin_case_passes():
     done = run_cli("--seq-len", "8")
     assert done.returncode == 0, done.stdout + done.stderr

@@ -86,6 +86,7 @@ def test_an_unknown_flag_shows_the_commands_usage(argv, usage, capsys):
                                                                           (" 1" if "1" in argv else ""))
 
 
+@pytest.mark.slow  # make check leaves it out: one of its heaviest tests
 def test_bench_checks_its_output_folder_before_the_work(tmp_path):
     target = tmp_path / "results.json"
     target.write_text("a file, not a folder")
@@ -164,6 +165,7 @@ def test_a_real_ctrl_c_during_start_up_prints_no_traceback(tmp_path):
 
 @pytest.mark.parametrize("command", [["sample", "--ckpt", "nowhere", "--prompt"],
                                      ["heads", "--ckpt", "nowhere", "--text"]])
+@pytest.mark.slow  # make check leaves it out: one of its heaviest tests
 def test_a_text_flag_that_is_not_utf8_is_one_line_naming_the_flag_and_the_byte(command, tmp_path):
     argv = [*command, b"caf\xe9".decode("utf-8", "surrogateescape")]  # as Python reads an argv byte that is not UTF-8
     done = subprocess.run([sys.executable, "-m", "selfattn", *argv], capture_output=True, text=True, timeout=120,

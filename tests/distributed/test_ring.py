@@ -20,7 +20,7 @@ KEYS = [f"{name}/{lay}/{dtype}" for name, _ in CASES for lay in ("zigzag", "cont
         for dtype in ("float64", "float32")]
 
 
-@pytest.fixture(scope="module", params=[2, 4], ids=lambda n: f"{n}-ranks")
+@pytest.fixture(scope="module", params=[2, pytest.param(4, marks=pytest.mark.slow)], ids=lambda n: f"{n}-ranks")
 def parity(request):
     return request.param, run_ranks("parity", request.param)
 
@@ -31,6 +31,7 @@ def test_ring_attention_equals_math_on_the_whole_sequence(parity, key):
     assert errors[key] <= TOLERANCE[key.rsplit("/", 1)[1]], f"{world} ranks, {key}: relative error {errors[key]:.2e}"
 
 
+@pytest.mark.slow  # make check leaves it out: one of its heaviest tests
 def test_a_ring_that_skips_a_block_or_merges_without_rescaling_fails():  # negative controls
     errors = run_ranks("negative_controls", 2)
     assert errors["skip-a-block"] > 1e-3 and errors["no-rescale"] > 1e-3, errors
@@ -51,6 +52,7 @@ def refusals():
     ("unknown-layout", "layout must be one of 'zigzag', 'contiguous', got 'spiral'"),
     ("window-without-causal", "window=3 needs causal=True"),
 ])
+@pytest.mark.slow  # make check leaves it out: one of its heaviest tests
 def test_a_bad_request_is_the_same_one_line_error_on_every_rank(refusals, case, message):
     everyone = refusals[case]
     assert everyone[0] is not None and message in everyone[0], everyone
@@ -59,6 +61,7 @@ def test_a_bad_request_is_the_same_one_line_error_on_every_rank(refusals, case, 
 
 @pytest.mark.parametrize("lay, window, steps", [("zigzag", None, 3), ("contiguous", None, 3), ("contiguous", 8, 1),
                                                 ("zigzag", 8, 3)])
+@pytest.mark.slow  # make check leaves it out: one of its heaviest tests
 def test_bytes_sent_are_the_formula_and_a_short_window_stops_the_ring_early(lay, window, steps):
     sent = run_ranks("traffic", 4, layout=lay, T=128, window=window)
     kv = 2 * sent["shard_bytes"]  # K and V shards travel together
@@ -68,6 +71,7 @@ def test_bytes_sent_are_the_formula_and_a_short_window_stops_the_ring_early(lay,
 
 @pytest.mark.parametrize("pos, lay, window", [("learned", "zigzag", None), ("rope", "contiguous", 7),
                                               ("rope", "zigzag", 30)])
+@pytest.mark.slow  # make check leaves it out: one of its heaviest tests
 def test_a_gpt_on_shards_equals_the_gpt_on_whole_sequences(pos, lay, window):
     errors = run_ranks("gpt", 2, pos=pos, layout=lay, window=window)
     assert max(errors.values()) <= 1e-10, errors
@@ -96,6 +100,7 @@ def test_without_a_process_group_the_error_says_how_to_make_one():
         SequenceShard(8)
 
 
+@pytest.mark.slow  # make check leaves it out: one of its heaviest tests
 def test_the_documented_example_runs_under_torchrun_and_matches_one_process(tmp_path):
     page = (Path(__file__).parents[2] / "docs" / "gpt.md").read_text()  # its ring attention section
     code = page.split("```python\n# torchrun --nproc_per_node=2 ring.py\n", 1)[1].split("```", 1)[0]

@@ -35,6 +35,7 @@ def graphs() -> int:
 
 
 @pytest.mark.parametrize("config", [GPT2, LLAMA], ids=["gpt2", "llama"])
+@pytest.mark.slow  # make check leaves it out: one of its heaviest tests
 def test_compiled_steps_give_eager_logits_and_tokens(config):
     eager, compiled = twins(**config)
     idx = torch.randint(61, (2, 7), generator=torch.Generator().manual_seed(1))  # (B, T)
@@ -62,6 +63,7 @@ def test_one_graph_serves_every_step_and_every_generation():
     assert graphs() - before == 1
 
 
+@pytest.mark.slow  # make check leaves it out: one of its heaviest tests
 def test_without_the_dynamic_sizes_every_length_compiles_again(monkeypatch):
     """The control: the automatic rule compiles a graph for the first position, then more."""
     monkeypatch.setattr(compiled_decode, "DYNAMIC", "")
@@ -72,6 +74,7 @@ def test_without_the_dynamic_sizes_every_length_compiles_again(monkeypatch):
     assert graphs() - before >= 3
 
 
+@pytest.mark.slow  # make check leaves it out: one of its heaviest tests
 def test_a_step_follows_the_weights_but_not_other_attributes_until_compiled_again():
     eager, compiled = twins(seed=7, **LLAMA)
     idx = torch.randint(61, (1, 6), generator=torch.Generator().manual_seed(7))
@@ -105,6 +108,7 @@ def test_the_guard_filter_drops_only_the_models_non_tensor_guards():
     assert compiled_decode._guards(entries) == [False, False, True, True, True, True, True, True, True]
 
 
+@pytest.mark.slow  # make check leaves it out: one of its heaviest tests
 def test_padded_rows_and_eos_decode_as_eager():
     eager, compiled = twins(seed=4, **GPT2)
     idx, mask = left_pad([torch.randint(61, (n,), generator=torch.Generator().manual_seed(n)) for n in (3, 8, 5)])
@@ -152,6 +156,7 @@ def test_bfloat16_compiled_rounds_no_worse_than_eager():
     assert next_token(out["compiled"][:, -1], temperature=0.0).shape == (1,)
 
 
+@pytest.mark.slow  # make check leaves it out: one of its heaviest tests
 def test_speculative_decoding_compiled_gives_the_eager_tokens_and_rounds():
     eager, compiled = twins(seed=7, **LLAMA)  # one compiled model for every drafter: its graphs compile once
     draft = decode_layout(scrambled(small(n_layer=1, n_embd=16, n_head=2, pos="rope")))  # a smaller model

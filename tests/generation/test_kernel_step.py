@@ -214,6 +214,7 @@ def test_a_model_training_with_dropout_steps_as_it_is():
     assert not compiled_of(model).kernel.serves(None, [])  # dropout is drawn: the graph's step, not the kernel's
 
 
+@pytest.mark.slow  # make check leaves it out: one of its heaviest tests
 def test_padded_rows_step_through_the_graph_as_eager():
     eager, compiled = llama(5), compile_decode(llama(5))
     idx, mask = left_pad([torch.randint(61, (n,), generator=torch.Generator().manual_seed(n)) for n in (3, 8)])

@@ -142,6 +142,7 @@ def test_without_a_compiler_the_kernel_says_why_and_builds_nothing(monkeypatch, 
     assert not [p for p in tmp_path.rglob("*") if p.is_file()]
 
 
+@pytest.mark.slow  # make check leaves it out: one of its heaviest tests
 def test_a_compile_error_is_one_line_naming_the_source(monkeypatch, tmp_path):
     broken = tmp_path / "src" / "matvec.cpp"
     broken.parent.mkdir()

@@ -90,6 +90,7 @@ def _burst(url: str, faults: bool) -> None:
     asyncio.run(all_at_once())
 
 
+@pytest.mark.slow  # make check leaves it out: one of its heaviest tests
 def test_after_a_barrage_of_faults_the_server_answers_and_its_memory_is_back_near_idle(run):
     proc = subprocess.Popen([sys.executable, "-m", "selfattn", "serve", "--ckpt", str(run), "--port", "0"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -96,6 +96,7 @@ def whole(tmp_path_factory, corpus):
     return run
 
 
+@pytest.mark.slow  # make check leaves it out: one of its heaviest tests
 def test_killed_at_random_moments_and_resumed_it_ends_as_the_uninterrupted_run(whole, corpus, tmp_path):
     run, rng = tmp_path / "run", random.Random(15)
     start = ["train", *RUN, "--data", str(corpus), "--out", str(run)]
