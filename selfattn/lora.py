@@ -214,12 +214,15 @@ def base_digest(model: GPT) -> str:
     return digest({k: v for k, v in model.state_dict().items() if not k.endswith((".lora_A", ".lora_B"))}, {})
 
 
-def check_base(base: dict, digest: str, what: str) -> None:
+def check_base(base: dict, digest: str, what: str, *, at: str | None = None) -> None:
     """Refuse adapters trained on the base ``base`` (``{"path", "digest"}``) when the model loaded from
-    its path now has the digest ``digest`` (another model, or the file changed), naming both."""
+    its path (or from ``at``, its new place) has the digest ``digest`` (another model, or the file
+    changed), naming both."""
     if base["digest"] != digest:
+        where = base["path"] if at is None or at == base["path"] else at
+        now = "now holds" if where == base["path"] else "holds"
         raise ValueError(f"{what} holds LoRA adapters trained on the base model {base['path']} of SHA-256 "
-                         f"{base['digest'][:12]}..., but {base['path']} now holds a model of SHA-256 {digest[:12]}...; "
+                         f"{base['digest'][:12]}..., but {where} {now} a model of SHA-256 {digest[:12]}...; "
                          f"put the base back, or fine-tune again")
 
 

@@ -4,7 +4,10 @@
 without an error the temporary is fsynced and renamed over the target (atomic on POSIX) and
 the folder is fsynced, so a kill at any moment leaves either the previous file or the new
 one. On an error the temporary is removed. Temporaries are named ``.<name>.tmp-<pid>``, so
-a cleaner can recognise those of killed writers (:func:`remove_temporaries`).
+a cleaner can recognise those of killed writers (:func:`remove_temporaries`); no error names one:
+a missing folder, a folder in the way or a refused write names the file asked for. The file ends
+with the mode a plain ``open()`` gives a new file (:func:`new_file_mode`, 0644 under the usual umask),
+whatever its writer gave the temporary (safetensors writes 0600).
 
 A full disk (or quota) is a :class:`DiskFull`, one line naming the file and the space left
 there, whichever writer hit it (Python's own, or a library's such as safetensors' that
@@ -32,17 +35,35 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     path = Path(path)
     if path.is_dir():  # else the rename would fail naming the temporary, not the file asked for
         raise IsADirectoryError(f"{path} is a folder, not a file: name the file to write")
+    if not path.parent.is_dir():  # else the writer fails naming the temporary
+        raise FileNotFoundError(errno.ENOENT, f"no folder {path.parent} to write {path.name} in", str(path))
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         yield tmp
+        os.chmod(tmp, new_file_mode())
         fsync(tmp)  # some filesystems report a full disk only here
         os.replace(tmp, path)  # the commit point
     except BaseException as e:
         tmp.unlink(missing_ok=True)
         if _disk_full(e):
             raise _full(path) from e
+        if isinstance(e, OSError) and str(tmp) in (str(e.filename), str(e.filename2)):
+            raise OSError(e.errno, e.strerror, str(path)) from None  # the file asked for, never the temporary
         raise
     fsync(path.parent)
+
+
+def new_file_mode() -> int:
+    """The permission bits a plain ``open(path, "w")`` gives a new file: 0666 less the process's umask."""
+    try:  # Linux says the umask without changing it
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return 0o666 & ~int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)  # elsewhere: set and put back
+    os.umask(mask)
+    return 0o666 & ~mask
 
 
 def write_text(path: str | os.PathLike, text: str) -> None:

@@ -2,6 +2,8 @@
 
 Each sub-command is a module of this package, ``selfattn.cli.<command>``, exposing
 ``add_arguments(parser)`` and ``main(args) -> int``: it parses, calls the library, prints.
+Steps of the library that take a while (loading, tokenizing, exporting) show a progress bar on
+stderr when it is a terminal and ``TQDM_DISABLE`` is unset (:mod:`selfattn._util.progress`).
 Errors a user can fix (bad flags, bad values, missing files) are one line on stderr and exit
 status 2; ``SELFATTN_DEBUG=1`` shows the traceback instead. Ctrl-C is one line too, and then the
 process dies of SIGINT, as an interrupted program should (the shell reads status 130 and stops a
@@ -15,6 +17,8 @@ import os
 import signal
 import sys
 import textwrap
+
+from selfattn._util import progress
 
 # what a user does -> {command: one-line help}; the module of a command is selfattn.cli.<command>, imported
 # only when that command runs
@@ -94,7 +98,8 @@ def main(argv: list[str] | None = None) -> int:
         if unknown:  # the command's usage line, not the top-level one
             args._parser.error(f"unrecognized arguments: {' '.join(unknown)}")
         _check_text_flags(args)
-        return int(args._main(args) or 0)
+        with progress.reporting(progress.terminal()):  # the library's long steps, on stderr when it is a terminal
+            return int(args._main(args) or 0)
     except BrokenPipeError:  # the reader went away (``selfattn sample ... | head``): stop quietly
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit flush cannot fail again
         return 0

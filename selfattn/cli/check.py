@@ -53,6 +53,8 @@ def main(args: argparse.Namespace) -> int:
     seq_len = SEQ_LEN if args.seq_len is None else args.seq_len
     if args.ckpt and args.module:
         raise ValueError("pass --ckpt or --module, not both")
+    if args.base is not None and not args.ckpt:
+        raise ValueError("--base is the base model of a LoRA run given by --ckpt; give --ckpt")
     if not args.ckpt and args.dtype != "float32":
         raise ValueError(f"--dtype {args.dtype} is the dtype of --ckpt's model; the built-in audits run in the "
                          f"dtypes each is written for, and --module's module in its own")
@@ -63,7 +65,7 @@ def main(args: argparse.Namespace) -> int:
     if args.ckpt:
         from selfattn.io.loading import load
 
-        model = load(args.ckpt).model.to(device, flags.dtype(args))
+        model = load(args.ckpt, **flags.base_of(args)).model.to(device, flags.dtype(args))
         if args.seq_len is None:  # long enough to tell the smallest window from causality, where that is cheap
             windows = [b.attn.window for b in model.blocks if b.attn.window is not None and b.attn.window < WINDOW_MAX]
             seq_len = min(max([seq_len] + [w + SEQ_LEN // 4 for w in windows]), model.config.block_size)

@@ -52,7 +52,7 @@ def main(args: argparse.Namespace) -> int:
         return main_chat(args)
     text = read_text(args.data)
     device = _validate.device(args.device)
-    loaded = load(args.ckpt)
+    loaded = load(args.ckpt, **flags.base_of(args))
     context = loaded.model.config.block_size if args.context is None else args.context
     if args.stride is not None and args.stride > context:
         raise ValueError(f"--stride {args.stride} is larger than the model's block_size {context}, the default "
@@ -75,7 +75,7 @@ def main_chat(args: argparse.Namespace) -> int:
     """``selfattn eval`` on a chat file: the loss over the assistant's tokens, one conversation a forward."""
     conversations = chat.read_conversations(args.data)  # before the model is loaded
     device = _validate.device(args.device)
-    loaded = load(args.ckpt)
+    loaded = load(args.ckpt, **flags.base_of(args))
     encoded = chat.encode_all(conversations, loaded.require_tokenizer(), loaded.require_chat(), where=args.data,
                               block_size=loaded.model.config.block_size)
     result = masked_perplexity(loaded.model.to(device, flags.dtype(args)), [(e.ids, e.targets()) for e in encoded])

@@ -39,7 +39,7 @@ def main(args: argparse.Namespace) -> int:
     _files.writable_folder(out.parent)  # checked before the work, created once the page is ready
     flags.check_input(args)
     device = _validate.device(args.device)
-    loaded = load(args.ckpt)
+    loaded = load(args.ckpt, **flags.base_of(args))
     model, tokenizer = loaded.model.to(device, flags.dtype(args)), loaded.tokenizer
     if args.text is None:
         flags.check_random_tokens(args.random_tokens, model.config)

@@ -1,6 +1,7 @@
 """The flags more than one command takes, each defined once: one name, one meaning, one default.
 
-- :func:`add_model`: ``--ckpt``, ``--device`` and ``--dtype``, for every command that loads a model;
+- :func:`add_model`: ``--ckpt`` (and ``--base``, a LoRA run's moved base: :func:`base_of`),
+  ``--device`` and ``--dtype``, for every command that loads a model;
   :func:`add_seed`: ``--seed`` (default :data:`SEED` everywhere); :func:`add_input`: ``--text`` or
   ``--random-tokens N`` and its ``--seed``, for the commands that look inside a model.
 - Config dataclasses as flags (:func:`add_flags`, :func:`add_set`, :func:`given`).
@@ -129,9 +130,20 @@ def add_model(parser: argparse.ArgumentParser, *, required: bool = True, dtype: 
 
 
 def add_ckpt(parser: argparse.ArgumentParser, *, required: bool = True, purpose: str | None = None) -> None:
-    """``--ckpt PATH``: any path :func:`selfattn.io.loading.load` reads."""
+    """``--ckpt PATH``: any path :func:`selfattn.io.loading.load` reads; and ``--base PATH``, where a LoRA
+    run's base model is now (:func:`base_of`)."""
     parser.add_argument("--ckpt", required=required, metavar="PATH", default=argparse.SUPPRESS if required else None,
                         help=f"{purpose}: {CKPT_HELP}" if purpose else CKPT_HELP)
+    parser.add_argument("--base", default=None, metavar="PATH",
+                        help="a LoRA run's base model at its new place, when it moved (the run names its old "
+                             "one); it must be the same model: its digest is checked")
+
+
+def base_of(args: argparse.Namespace) -> dict:
+    """The loader's keywords for ``--base``: ``{"base": PATH}`` when it is given, else none
+    (``load(args.ckpt, **flags.base_of(args))``)."""
+    base = getattr(args, "base", None)
+    return {} if base is None else {"base": base}
 
 
 def add_device(parser: argparse.ArgumentParser) -> None:

@@ -52,7 +52,7 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError(f"--top must be positive, got {args.top}")
     flags.check_input(args)
     device = _validate.device(args.device)
-    loaded = load(args.ckpt)
+    loaded = load(args.ckpt, **flags.base_of(args))
     model, tokenizer = loaded.model.to(device, flags.dtype(args)).eval(), loaded.tokenizer
     n_layer = len(attention_layers(model))
     layers = _check_layers(layers, n_layer)

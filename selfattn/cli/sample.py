@@ -75,7 +75,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     check_flags(args)  # before the model is loaded: seconds
     device = _validate.device(args.device)
-    loaded = load(args.ckpt)
+    loaded = load(args.ckpt, **flags.base_of(args))
     tokenizer = loaded.require_tokenizer()
     if args.chat is not None:
         ids = tokenizer.encode(loaded.require_chat().render([{"role": "user", "content": args.chat}]))

@@ -50,7 +50,7 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError(str(e)) from None
     device = _validate.device(args.device)
     with server.listen(args.host, args.port) as sock:  # before loading: a port in use fails at once
-        loaded = load(args.ckpt)
+        loaded = load(args.ckpt, **flags.base_of(args))
         loaded.require_tokenizer()
         path = Path(args.ckpt)
         name = path.stem if path.is_file() else path.resolve().name

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import sys
 from pathlib import Path
 
-from selfattn.cli import flags
+from selfattn.cli import INTERRUPTED, flags
 from selfattn.config import GPTConfig
 from selfattn.families.writing import ARCHS
-from selfattn.training import lock, parallel
+from selfattn.training import checkpoint, lock, parallel
 from selfattn.training.checkpoint import BEST
 from selfattn.training.config import TrainConfig
 from selfattn.training.loop import Diverged, TrainResult, train
@@ -77,13 +78,18 @@ def _train(args: argparse.Namespace) -> int:
         model_cfg, train_cfg, resume_from = resolve_configs(
             out, preset=args.preset, config=args.config, resume=args.resume, arch=args.arch,
             model_flags=model_flags, train_flags=train_flags)
+        progress = _Progress()
         try:
-            with _Progress() as progress:  # the bar is closed before anything else is printed
+            with progress:  # the bar is closed before anything else is printed
                 result = train(model_cfg, train_cfg, out, resume_from=resume_from, on_event=progress)
             parallel.barrier()  # every rank is done before any tears the process group down
             if parallel.rank() == 0:
                 print(_summary(result, train_cfg))
             return 0
+        except KeyboardInterrupt:  # Ctrl-C: where the run stands and how it goes on
+            if parallel.rank() == 0:
+                print(f"selfattn train: {interrupted(out, progress.step)}", file=sys.stderr, flush=True)
+            return INTERRUPTED
         except Diverged as e:
             if parallel.rank() == 0:
                 print(f"selfattn train: error: {e}", file=sys.stderr, flush=True)
@@ -92,8 +98,24 @@ def _train(args: argparse.Namespace) -> int:
             parallel.shutdown()
 
 
+def interrupted(out: Path, step: int | None) -> str:
+    """What Ctrl-C at ``step`` (None: before the first) of the run in ``out`` leaves: its last checkpoint,
+    and the command that continues from it (or starts again, when there is none)."""
+    at = "before the first step" if step is None else f"at step {step}"
+    saved = checkpoint.checkpoints(Path(out))
+    if not saved:
+        return f"interrupted {at}; no checkpoint was saved yet, so there is nothing to resume: run the command again"
+    last, path = saved[-1]
+    return (f"interrupted {at}; the last checkpoint is step {last} ({path}): continue with: "
+            f"selfattn train --resume --out {shlex.quote(str(out))}")
+
+
 class _Progress:
-    """The terminal view of a run (rank 0 only gets events): a header, a tqdm bar, eval lines."""
+    """The terminal view of a run (rank 0 only gets events): a header, a tqdm bar, eval lines; ``step``,
+    the last step done (None: none yet)."""
+
+    def __init__(self) -> None:
+        self.bar, self.step = None, None
 
     def __enter__(self) -> _Progress:
         self.bar = None
@@ -116,6 +138,7 @@ class _Progress:
                 self.bar = _tqdm()(total=r["max_steps"], initial=r["start"], unit="step", dynamic_ncols=True,
                                    mininterval=0.5)
         elif kind == "step":
+            self.step = r["step"]
             self.bar.set_postfix_str(f"loss {r['loss']:.3f}, {r['tokens_per_s']:,.0f} tok/s", refresh=False)
             self.bar.update(1)
         elif kind == "eval":

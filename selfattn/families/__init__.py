@@ -25,6 +25,7 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor
 
+from selfattn._util import progress
 from selfattn._util.validate import listed
 from selfattn.families import _names, bloom, gemma, gpt2, gpt_oss, llama, olmo2, phi3
 from selfattn.model import GPT
@@ -73,8 +74,9 @@ def load(family, tensors: Mapping[str, Tensor], model: GPT, where: str) -> None:
     parameter under several names (a tied head) is filled once.
     """
     done = set()
+    plan = _plan(family, tensors, model, where)
     with torch.no_grad():
-        for key, names, target in _plan(family, tensors, model, where):
+        for key, names, target in progress.track(plan, "loading the weights", unit="tensor"):
             if target.data_ptr() in done:
                 continue
             done.add(target.data_ptr())

@@ -46,6 +46,7 @@ import os
 import re
 from dataclasses import dataclass
 
+from selfattn._util import progress
 from selfattn.families import FAMILIES, GGUF_ARCHITECTURES, writing
 from selfattn.families._gguf import REQUIRED
 from selfattn.model import GPT
@@ -106,10 +107,11 @@ def _clash(arch: str, model_type: str, hf: dict, config) -> str | None:
 
 def write(gpt: GPT, tokenizer, path: str | os.PathLike, *, type: str = "f32", bos: int | None = None,
           eos: tuple[int, ...] = (), chat_template: str | None = None,
-          source: str | os.PathLike | None = None) -> Written:
+          source: str | os.PathLike | None = None, pre: str | None = None) -> Written:
     """Write ``gpt`` and ``tokenizer`` to the GGUF file ``path`` (see the module docstring), its matrices in
     ``type`` (one of :data:`TYPES`), ``bos``, ``eos`` and ``chat_template`` its special tokens and template;
-    ``source``: where the model came from, whose ``tokenizer.*`` fields are copied when it is a GGUF file."""
+    ``source``: where the model came from, whose ``tokenizer.*`` fields are copied when it is a GGUF file;
+    ``pre``: the ``tokenizer.ggml.pre`` of the GGUF file the tokenizer came from (a fine-tuned run's source)."""
     try:
         import gguf
     except ImportError as e:
@@ -125,7 +127,7 @@ def write(gpt: GPT, tokenizer, path: str | os.PathLike, *, type: str = "f32", bo
     names = FAMILIES[model_type].GGUF
     vocab = gpt.config.vocab_size
     fields = to_metadata(tokenizer, vocab, bos=bos, eos=eos, chat_template=chat_template,
-                         source=read(source).metadata if source is not None and is_gguf(source) else None)
+                         source=read(source).metadata if source is not None and is_gguf(source) else None, pre=pre)
     qtype = gguf.GGMLQuantizationType[type.upper()]
     w = _writer(str(path), arch)
     w.add_file_type({"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
@@ -136,16 +138,19 @@ def write(gpt: GPT, tokenizer, path: str | os.PathLike, *, type: str = "f32", bo
     for key, value in fields.items():
         w.add_key_value(key, value, *_tokenizer_type(value))
     types = {}
-    for name, a in _tensors(arch, names, model_type, gpt).items():
+    with progress.stage("converting the tensors"):
+        tensors = _tensors(arch, names, model_type, gpt)
+    for name, a in progress.track(tensors.items(), f"{type} tensors", total=len(tensors), unit="tensor"):
         kind = gguf.GGMLQuantizationType.F32 if _kept_f32(name, a) else qtype
         if kind == gguf.GGMLQuantizationType.Q8_0 and a.shape[-1] % gguf.GGML_QUANT_SIZES[kind][0]:
             kind = gguf.GGMLQuantizationType.F16  # rows of no whole blocks: F16, as llama.cpp's converter does
         w.add_tensor(name, gguf.quants.quantize(a, kind), raw_dtype=kind)
         types[kind.name] = types.get(kind.name, 0) + 1
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    with progress.stage("writing the GGUF file"):
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
     pre = fields.get(gguf.Keys.Tokenizer.PRE)
     return Written(arch, model_type, types, fields[gguf.Keys.Tokenizer.MODEL] + (f" (pre {pre})" if pre else ""),
                    zero_biases)

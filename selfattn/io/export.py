@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 
 from selfattn._util import files as _files
+from selfattn._util import progress
 from selfattn.families import writing
 from selfattn.io.hf import to_hf
 from selfattn.model import GPT
@@ -66,10 +67,17 @@ _GPT2_LACKS = {
 @dataclass
 class Special:
     """The special tokens and chat template an export carries from its source (a folder, a GGUF file):
-    ``bos`` and ``eos`` ids (None and () when the source declares none), the chat template's text."""
+    ``bos`` and ``eos`` ids (None and () when the source declares none), the chat template's text, and
+    the llama.cpp pre-tokenizer a GGUF source names (``tokenizer.ggml.pre``; a GGUF export writes it)."""
     bos: int | None = None
     eos: tuple[int, ...] = ()
     chat_template: str | None = None
+    pre: str | None = None
+
+    @classmethod
+    def of(cls, loaded) -> Special:
+        """What a :class:`~selfattn.io.loading.Loaded` model carries: its bos, eos, chat template, pre-tokenizer."""
+        return cls(loaded.bos, loaded.eos, loaded.chat and loaded.chat.source, loaded.pre)
 
 
 @dataclass
@@ -116,11 +124,14 @@ def export(gpt: GPT, tokenizer: ByteTokenizer | BPETokenizer, out_dir: str | os.
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        hf_model = _gpt2(gpt, special) if family is None else _write_family(gpt, *family, special, tmp)
-        error = logits_error(gpt, lambda idx: hf_model(idx).logits)
-        _save_quietly(hf_model if family is None else None, hf_tokenizer, tmp)
+        with progress.stage("converting the model for transformers"):
+            hf_model = _gpt2(gpt, special) if family is None else _write_family(gpt, *family, special, tmp)
+        with progress.stage("checking its logits"):
+            error = logits_error(gpt, lambda idx: hf_model(idx).logits)
+        with progress.stage(f"writing {out.name}"):
+            _save_quietly(hf_model if family is None else None, hf_tokenizer, tmp)
         files = sorted(p.name for p in tmp.iterdir())
-        mode = 0o666 & ~_umask()  # what a plain open() would give: safetensors writes its file 0600
+        mode = _files.new_file_mode()  # what a plain open() would give: safetensors writes its file 0600
         for name in files:
             os.chmod(tmp / name, mode)
             _files.fsync(tmp / name)
@@ -219,6 +230,17 @@ def _hf_tokenizer(tokenizer, block_size: int, special: Special):
                                    clean_up_tokenization_spaces=False, **names)
 
 
+def write_tokenizer(tokenizer: ByteTokenizer | BPETokenizer, folder: str | os.PathLike, *, block_size: int,
+                    special: Special | None = None) -> list[str]:
+    """Write ``tokenizer``'s files into ``folder`` as :func:`export` writes them (``tokenizer.json``,
+    ``tokenizer_config.json``: ``AutoTokenizer.from_pretrained(folder)`` reads them), ``special``'s tokens
+    and chat template in them; returns the names written."""
+    folder = Path(folder)
+    before = set(os.listdir(folder)) if folder.is_dir() else set()
+    _save_quietly(None, _hf_tokenizer(tokenizer, block_size, special or _run_special(tokenizer)), folder)
+    return sorted(set(os.listdir(folder)) - before)
+
+
 @torch.no_grad()
 def logits_error(gpt: GPT, exported) -> float:
     """Max |logit difference| of ``exported`` (``idx (1, T) -> logits (1, T, V)``, on ``gpt``'s device) against
@@ -254,12 +276,6 @@ def _no_progress_bar():
     finally:
         if shown:
             logging.enable_progress_bar()
-
-
-def _umask() -> int:
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
 
 
 def _replace_folder(new: Path, out: Path) -> None:

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from selfattn._util import files as _files
+from selfattn._util import progress
 from selfattn.families import writing
 from selfattn.formats import gguf_write
 from selfattn.io.export import Special, logits_error
@@ -39,22 +40,25 @@ class ExportedGGUF:
 def export_gguf(gpt: GPT, tokenizer, out: str | os.PathLike, *, type: str = "f32", special: Special | None = None,
                 source: str | os.PathLike | None = None) -> ExportedGGUF:
     """Write ``gpt`` and ``tokenizer`` to the GGUF file ``out`` (replaced if it exists), its matrices in
-    ``type``, with ``special``'s bos, eos and chat template; ``source``: where the model came from (a GGUF
-    source gives its tokenizer fields). A ValueError, the file left as it was, for a model llama.cpp's
-    architectures cannot say, or one the file would say otherwise (each field named)."""
+    ``type``, with ``special``'s bos, eos, chat template and pre-tokenizer name; ``source``: where the model came
+    from (a GGUF source gives its tokenizer fields). The folders above ``out`` are created. A ValueError, the
+    file left as it was, for a model llama.cpp's architectures cannot say, or one the file would say otherwise
+    (each field named)."""
     special = special or Special()
     out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)  # as a folder export makes its parents
     with _files.atomic_path(out) as tmp:
         written = gguf_write.write(gpt, tokenizer, tmp, type=type, bos=special.bos, eos=special.eos,
-                                   chat_template=special.chat_template, source=source)
-        back = load(tmp).model.eval()
+                                   chat_template=special.chat_template, source=source, pre=special.pre)
+        back = load(tmp).model.eval()  # its progress: the loader's
         written_config = writing.with_biases(gpt.config) if written.zero_biases else gpt.config  # zeros: the same
         ours, theirs = (_as_float32(writing.computes(c)) for c in (written_config, back.config))
         differ = [f"{name}={ours[name]!r} (the file says {theirs[name]!r})" for name in ours
                   if ours[name] != theirs[name] and not (name == "rope_base" and _same_rope(gpt.config, back.config))]
         if differ:
             raise ValueError(f"llama.cpp's {written.architecture} file cannot say this model: " + "; ".join(differ))
-        error = logits_error(gpt, lambda idx: back(idx.cpu())[0].to(idx.device))  # back is on the CPU
+        with progress.stage("checking its logits"):
+            error = logits_error(gpt, lambda idx: back(idx.cpu())[0].to(idx.device))  # back is on the CPU
     return ExportedGGUF(out, written, type, error, back)
 
 

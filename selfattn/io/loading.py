@@ -57,6 +57,7 @@ class Loaded:
     bos: int | None = None  # the beginning-of-sequence token the source declares (None: none)
     family: str | None = None  # the model_type of the folder or GGUF file it came from (None: a run of ours, GPT-2)
     base: Path | None = None  # a LoRA run's base model, which its adapters were trained on (None: not a LoRA run)
+    pre: str | None = None  # the llama.cpp pre-tokenizer a GGUF source names (tokenizer.ggml.pre; None: none)
 
     def require_tokenizer(self) -> ByteTokenizer | BPETokenizer:
         """The tokenizer; a ValueError naming the source when the model came without one."""
@@ -73,13 +74,15 @@ class Loaded:
         return self.chat
 
 
-def load(path: str | os.PathLike, *, merge: bool = True) -> Loaded:
+def load(path: str | os.PathLike, *, merge: bool = True, base: str | os.PathLike | None = None) -> Loaded:
     """Load the model at ``path`` with what it needs to read and write text.
 
     Args:
         path: a run folder, a checkpoint file, a ``transformers`` folder or a GGUF file (the module
             docstring says how each is read).
         merge: merge a LoRA run's adapters into its base (False: keep them as adapters).
+        base: a LoRA run's base model at another place than the one its meta names (it moved); its
+            digest is checked all the same. None: the meta's path. A ValueError for a path that is no LoRA run.
 
     Returns:
         a :class:`Loaded`: the model (on the CPU, in training mode), its tokenizer (or why it has
@@ -93,9 +96,14 @@ def load(path: str | os.PathLike, *, merge: bool = True) -> Loaded:
     A LoRA run (``selfattn train --init-from BASE --lora-rank R``) holds adapters only: its base is
     loaded from the path its meta names and checked against the digest the adapters were trained on
     (another model there is a ValueError naming both), and the adapters are merged into it; with
-    ``merge=False`` they are kept as adapters (:mod:`selfattn.lora`), for writing them apart.
+    ``merge=False`` they are kept as adapters (:mod:`selfattn.lora`), for writing them apart. A base
+    that is no longer where the meta says is a ValueError naming it as the run's base; ``base`` gives
+    its new place.
     """
-    loaded = _read(Path(path), merge)
+    loaded = _read(Path(path), merge, None if base is None else Path(base))
+    if base is not None and loaded.base is None:
+        raise ValueError(f"--base {str(base)!r} is the base model of a LoRA run, but {loaded.source} is not one "
+                         f"(it holds its whole model); leave --base out")
     _check_finite(loaded.model, loaded.source)
     return loaded
 
@@ -109,8 +117,8 @@ def _check_finite(model: GPT, source: Path) -> None:
                              f"{tuple(tensor.shape)}; the file is damaged")
 
 
-def _read(path: Path, merge: bool = True) -> Loaded:
-    """The model at ``path``, as read (:func:`load` checks it)."""
+def _read(path: Path, merge: bool = True, base: Path | None = None) -> Loaded:
+    """The model at ``path``, as read (:func:`load` checks it); ``base``: a LoRA run's base at a new place."""
     if not path.exists():
         raise ValueError(f"{str(path)!r} does not exist (expected a run folder, a checkpoint file, a transformers "
                          f"folder or a GGUF file)")
@@ -136,21 +144,33 @@ def _read(path: Path, merge: bool = True) -> Loaded:
     config = GPTConfig(**_validate.config_fields(GPTConfig, meta["model"], str(path)))
     try:
         if "lora" in meta:
-            model = _adapted(config, meta["lora"], weights, path, merge)
+            base = _base_path(meta["lora"], path, base)
+            model = _adapted(config, meta["lora"], weights, path, merge, base)
         else:
             model = GPT(config)
             model.load_state_dict(weights)
     except RuntimeError as e:
         raise ValueError(f"{path}: weights do not fit the configured model: {one_line(e)}") from None
-    base = Path(meta["lora"]["base"]["path"]) if "lora" in meta else None
+    base = base if "lora" in meta else None
     return _with_special(Loaded(model, tokenizer, _newline(tokenizer), path, base=base), meta.get("special"))
 
 
-def _adapted(config: GPTConfig, adapters: dict, weights: dict, path: Path, merge: bool) -> GPT:
-    """A LoRA run's model: its base (``adapters["base"]``: path and digest) carried into ``config``,
-    the adapters ``weights`` on it, merged into its weights when ``merge``."""
-    base = _read(Path(adapters["base"]["path"]))
-    lora.check_base(adapters["base"], lora.base_digest(base.model), str(path))
+def _base_path(adapters: dict, path: Path, given: Path | None) -> Path:
+    """Where the base of the LoRA run at ``path`` is: ``given`` (its new place), else the path its meta names;
+    a ValueError naming it as the run's base when nothing is there."""
+    base = given if given is not None else Path(adapters["base"]["path"])
+    if not base.exists():
+        raise ValueError(f"the base model of the LoRA run {path}, {str(base)!r}, does not exist"
+                         + (" (moved?); give its new place with --base PATH" if given is None else
+                            f" (--base; the run was trained on {adapters['base']['path']})"))
+    return base
+
+
+def _adapted(config: GPTConfig, adapters: dict, weights: dict, path: Path, merge: bool, where: Path) -> GPT:
+    """A LoRA run's model: its base (``adapters["base"]``: path and digest; read from ``where``) carried
+    into ``config``, the adapters ``weights`` on it, merged into its weights when ``merge``."""
+    base = _read(where)
+    lora.check_base(adapters["base"], lora.base_digest(base.model), str(path), at=str(where))
     model = GPT.empty(config)
     model.load_state_dict(carry.carried(base.model, model))
     lora.add_lora(model, **adapters["settings"])
@@ -160,10 +180,11 @@ def _adapted(config: GPTConfig, adapters: dict, weights: dict, path: Path, merge
 
 def special_of(loaded: Loaded) -> dict:
     """What a fine-tuned run keeps of the model it started from, beside its tokenizer, JSON-ready:
-    the start token, bos, eos, chat template and family (read back by :func:`load`)."""
+    the start token, bos, eos, chat template, family and pre-tokenizer name (read back by :func:`load`)."""
     chat = loaded.chat
     return {"start": loaded.start_token, "bos": loaded.bos, "eos": list(loaded.eos),
-            "chat_template": chat and chat.source, "chat_tokens": chat.tokens if chat else {}, "family": loaded.family}
+            "chat_template": chat and chat.source, "chat_tokens": chat.tokens if chat else {}, "family": loaded.family,
+            "pre": loaded.pre}
 
 
 def _with_special(loaded: Loaded, special: dict | None) -> Loaded:
@@ -174,7 +195,8 @@ def _with_special(loaded: Loaded, special: dict | None) -> Loaded:
         raise ValueError(f"{loaded.source}: its meta's 'special' entry is damaged (expected start, bos, eos, "
                          f"chat_template and chat_tokens)")
     return dataclasses.replace(loaded, start_token=special["start"], bos=special["bos"], eos=tuple(special["eos"]),
-                               chat=chat_of(special, loaded.source), family=special.get("family"))
+                               chat=chat_of(special, loaded.source), family=special.get("family"),
+                               pre=special.get("pre"))  # runs of earlier versions kept no family or pre
 
 
 def chat_of(special: dict, source) -> ChatTemplate | None:
@@ -247,7 +269,7 @@ def _load_gguf(path: Path) -> Loaded:
     start = special.get("bos", None if tokenizer is None else _newline(tokenizer))
     eos = tuple(dict.fromkeys(special[name] for name in ("eos", "eot") if name in special))
     return Loaded(model, tokenizer, start, path, eos, chat, why or Loaded.no_tokenizer, bos=special.get("bos"),
-                  family=file.config["model_type"])
+                  family=file.config["model_type"], pre=meta.value("tokenizer.ggml.pre", str, None))
 
 
 # model_type -> the loader of its folders; GPT-2's through transformers (its Conv1D weights are stored transposed)

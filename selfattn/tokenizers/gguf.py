@@ -112,17 +112,21 @@ _COPIED = ("MODEL", "PRE", "LIST", "TOKEN_TYPE", "SCORES", "MERGES", "BOS_ID", "
 
 
 def to_metadata(tokenizer, vocab: int, *, bos: int | None = None, eos: tuple[int, ...] = (),
-                chat_template: str | None = None, source=None) -> dict:
+                chat_template: str | None = None, source=None, pre: str | None = None) -> dict:
     """The ``tokenizer.*`` fields (gguf's key -> value) of a GGUF file holding a model of ``vocab`` tokens:
     those of ``source`` (a GGUF file's :class:`~selfattn.formats.gguf.Metadata`) copied, else ``tokenizer``'s
     own; with what ``tokenizer`` puts around a prompt, and ``bos``, ``eos`` and ``chat_template`` when given
-    (see the module docstring). ValueError for a tokenizer llama.cpp would split otherwise. Needs ``gguf``."""
-    fields = _copied(source) if source is not None else _fields(tokenizer, vocab)
+    (see the module docstring). ``pre``: the ``tokenizer.ggml.pre`` of the GGUF file the tokenizer came from
+    (a run fine-tuned from one keeps it), written for a byte-level BPE instead of the one its pre-tokenizer
+    maps to (a tokenizer read from GGUF splits as GPT-2, whatever the file's pre). ValueError for a tokenizer
+    llama.cpp would split otherwise. Needs ``gguf``."""
+    fields = _copied(source) if source is not None else _fields(tokenizer, vocab, pre)
     return fields | _around(tokenizer) | _special(bos, eos, chat_template)
 
 
-def _fields(tokenizer, vocab: int) -> dict:
-    """The ``tokenizer.*`` fields of ``tokenizer`` for a model of ``vocab`` tokens (see the module docstring)."""
+def _fields(tokenizer, vocab: int, carried: str | None = None) -> dict:
+    """The ``tokenizer.*`` fields of ``tokenizer`` for a model of ``vocab`` tokens (see the module docstring);
+    ``carried``: the pre-tokenizer name of the GGUF file it came from, written as it is."""
     import gguf
 
     K, T = gguf.Keys.Tokenizer, gguf.TokenType
@@ -139,7 +143,7 @@ def _fields(tokenizer, vocab: int) -> dict:
         tokens, kinds, merges, pre = [chars[b] for b in range(256)], [int(T.NORMAL)] * 256, [], "gpt-2"
     elif isinstance(tokenizer, BPETokenizer) and tokenizer.scheme == BYTE_LEVEL:
         spec = json.loads(tokenizer.tok.to_str())
-        pre = PRE_TOKENIZERS.get(_steps(spec.get("pre_tokenizer")))
+        pre = carried or PRE_TOKENIZERS.get(_steps(spec.get("pre_tokenizer")))
         if pre is None:
             raise ValueError(f"the tokenizer's pre-tokenizer {json.dumps(spec.get('pre_tokenizer'))} splits text as "
                              f"none of llama.cpp's known ones does ({', '.join(PRE_TOKENIZERS.values())}), so "

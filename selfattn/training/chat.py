@@ -48,6 +48,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from selfattn._util import progress
 from selfattn._util.seeds import seed_for
 from selfattn._util.validate import short_json
 from selfattn.loss import IGNORE
@@ -133,7 +134,8 @@ def encode_all(conversations: Sequence[Conversation], tokenizer: BPETokenizer, t
     predict (empty answers the template writes nothing around: it would teach nothing, and a batch of
     such rows would have a NaN loss) or one the template refuses."""
     encoded = []
-    for conversation in conversations:
+    for conversation in progress.track(conversations, f"tokenizing {Path(where).name}", total=len(conversations),
+                                       unit="conversation"):
         try:
             ids, mask = encode(conversation.messages, tokenizer, template)
         except ValueError as e:
@@ -232,7 +234,8 @@ def prepare_chat(cache_dir: str | os.PathLike, *, data: str | os.PathLike, token
               "pack": pack, "val_fraction": val_fraction}
     meta = text_data.read_cache(cache, recipe)
     if meta is None:
-        conversations = _parse(text, str(data))
+        with progress.stage(f"reading {Path(data).name}"):
+            conversations = _parse(text, str(data))
         n_val = int(len(conversations) * val_fraction)
         if not 0 < n_val < len(conversations):
             raise ValueError(f"{data}: {len(conversations)} conversation(s) with val_fraction {val_fraction} leave "
@@ -241,13 +244,14 @@ def prepare_chat(cache_dir: str | os.PathLike, *, data: str | os.PathLike, token
         encoded = encode_all(conversations, tokenizer, template, where=str(data), block_size=block_size)
         splits = {"train": encoded[:len(encoded) - n_val], "val": encoded[len(encoded) - n_val:]}
         arrays = {}
-        for name, part in splits.items():
-            x, y, doc_ids = rows(part, block_size, pack=pack)
-            arrays |= {f"{name}.x": x.to(text_data.id_dtype(tokenizer.vocab_size)), f"{name}.y": y}
-            if doc_ids is not None:
-                arrays[f"{name}.doc_ids"] = doc_ids.to(text_data.id_dtype(block_size + 1))
-        counts = {f"n_{name}": sum(len(e.ids) for e in part) for name, part in splits.items()}
-        meta = text_data.write_cache(cache, arrays, {"recipe": recipe, "conversations": len(encoded), **counts})
+        with progress.stage("writing the token cache"):
+            for name, part in splits.items():
+                x, y, doc_ids = rows(part, block_size, pack=pack)
+                arrays |= {f"{name}.x": x.to(text_data.id_dtype(tokenizer.vocab_size)), f"{name}.y": y}
+                if doc_ids is not None:
+                    arrays[f"{name}.doc_ids"] = doc_ids.to(text_data.id_dtype(block_size + 1))
+            counts = {f"n_{name}": sum(len(e.ids) for e in part) for name, part in splits.items()}
+            meta = text_data.write_cache(cache, arrays, {"recipe": recipe, "conversations": len(encoded), **counts})
     arrays = text_data.open_arrays(cache, meta)
     train, val = (Rows(arrays[f"{name}.x"], arrays[f"{name}.y"], arrays.get(f"{name}.doc_ids"))
                   for name in ("train", "val"))

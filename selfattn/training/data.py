@@ -30,6 +30,7 @@ import torch
 from torch import Tensor
 
 from selfattn._util import files as _files
+from selfattn._util import progress
 from selfattn._util.seeds import seed_for
 from selfattn.tokenizers import BPETokenizer, ByteTokenizer, from_spec
 
@@ -122,12 +123,19 @@ def prepare(cache_dir: str | os.PathLike, *, data: str | None, tokenizer: str | 
               "bpe_vocab": bpe_vocab if tokenizer == "bpe" else None, "val_fraction": val_fraction}
     meta = read_cache(cache, recipe)
     if meta is None:
-        tok = given or (ByteTokenizer() if tokenizer == "byte" else BPETokenizer.train(text, bpe_vocab))
-        ids = _token_ids(text, tok)
+        size = f"{len(text) / 1e6:.1f}M characters" if len(text) >= 1e6 else f"{len(text):,} characters"
+        if given is None and tokenizer == "bpe":
+            with progress.stage(f"training a BPE tokenizer on {size}"):
+                tok = BPETokenizer.train(text, bpe_vocab)
+        else:
+            tok = given or ByteTokenizer()
+        with progress.stage(f"tokenizing {size}"):
+            ids = _token_ids(text, tok)
         n_train = len(ids) - int(len(ids) * val_fraction)
         _check_lengths(n_train, len(ids) - n_train, block_size)
-        meta = write_cache(cache, {"train": ids[:n_train], "val": ids[n_train:]},
-                           {"recipe": recipe, "tokenizer_spec": tok.spec()})
+        with progress.stage(f"writing the token cache ({len(ids):,} tokens)"):
+            meta = write_cache(cache, {"train": ids[:n_train], "val": ids[n_train:]},
+                               {"recipe": recipe, "tokenizer_spec": tok.spec()})
     splits = open_arrays(cache, meta)
     _check_lengths(len(splits["train"]), len(splits["val"]), block_size)
     return Corpus(splits["train"], splits["val"], from_spec(meta["tokenizer_spec"]), description, fingerprint,

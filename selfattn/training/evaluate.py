@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from selfattn._util import progress
 from selfattn._util import validate as _validate
 from selfattn.loss import IGNORE
 from selfattn.model import GPT
@@ -82,7 +83,8 @@ def perplexity(model: GPT, ids: Sequence[int] | Tensor, *, context: int | None =
     model.eval()
     try:
         with torch.inference_mode():
-            for begin in range(0, n, stride):
+            last = max(0, -(-(n - context) // stride))  # the index of the first context that reaches the end
+            for begin in progress.track(range(0, n, stride), "perplexity", total=last + 1, unit="context"):
                 end = min(begin + context, n)
                 x, y = ids[begin:end - 1], ids[begin + 1:end].clone()  # (T,) tokens, (T,) the next token of each
                 seen = max(prev_end, begin + 1) - begin - 1  # targets an earlier context predicted

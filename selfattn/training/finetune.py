@@ -40,6 +40,9 @@ def begin(init_from: str, config: GPTConfig, adapters: dict | None, saved: dict 
         return Start(GPT(config), from_spec(saved["tokenizer"]), special and chat_of(special, init_from),
                      {"special": special})
     path = init_from if saved is None else saved["lora"]["base"]["path"]
+    if saved is not None and not Path(path).exists():
+        raise ValueError(f"the base model of this LoRA run, {path!r}, does not exist (moved?); put it back there to "
+                         f"resume (sample, eval and export take its new place as --base PATH)")
     loaded = source(path)
     model = start_from(loaded, config, path)
     meta = {"special": special_of(loaded)}

@@ -1,6 +1,7 @@
 """The fine-tune of docs/finetune.md, end to end: LoRA teaches SmolLM2-135M-Instruct a made-up fact
 from twenty chat examples (docs/finetune/quillmoss.jsonl); before, it does not know it; after, it
-answers with it, and so do ``transformers`` on the merged export and ``peft`` on the adapter export."""
+answers with it, and so do ``transformers`` on the merged export and ``peft`` on the adapter export (loaded in
+one step: ``AutoPeftModelForCausalLM``)."""
 import os
 from pathlib import Path
 
@@ -45,12 +46,11 @@ def test_lora_teaches_smollm2_a_made_up_fact(tmp_path, capsys):
     answer = _answer(capsys, run)
     assert "Pim" in answer and "otter" in answer, answer
 
-    merged, adapter, base = tmp_path / "merged", tmp_path / "adapter", tmp_path / "base"
-    for argv in (["--ckpt", str(run), "--out", str(merged)], ["--ckpt", str(run), "--out", str(adapter), "--adapter"],
-                 ["--ckpt", str(smollm2()), "--out", str(base)]):
+    merged, adapter = tmp_path / "merged", tmp_path / "adapter"
+    for argv in (["--ckpt", str(run), "--out", str(merged)], ["--ckpt", str(run), "--out", str(adapter), "--adapter"]):
         assert main(["export", *argv]) == 0
     tokenizer = transformers.AutoTokenizer.from_pretrained(merged)
     theirs = _hf_answer(transformers.AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32), tokenizer)
     assert theirs.strip() == answer.strip()
-    with_peft = peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(base), adapter)
-    assert _hf_answer(with_peft, tokenizer).strip() == answer.strip()
+    with_peft = peft.AutoPeftModelForCausalLM.from_pretrained(adapter)  # one step: its base written into adapter/base
+    assert _hf_answer(with_peft, transformers.AutoTokenizer.from_pretrained(adapter)).strip() == answer.strip()
