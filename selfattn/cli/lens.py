@@ -44,7 +44,7 @@ def main(args: argparse.Namespace) -> int:
     positions = _parse_positions(args.positions)
     flags.check_input(args)
     device = _validate.device(args.device)
-    loaded = load(args.ckpt)
+    loaded = load(args.ckpt, **flags.base_of(args))
     model = loaded.model.to(device, flags.dtype(args)).eval()
     if args.text is not None:
         ids = loaded.require_tokenizer().encode(args.text)

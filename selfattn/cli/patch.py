@@ -21,8 +21,8 @@ from selfattn._util import plot as _plot
 from selfattn._util import validate as _validate
 from selfattn.cli import flags
 from selfattn.interp import logit_diff, patch, run_with_cache
-from selfattn.io.loading import load
 from selfattn.interp.patching import SITES, site_of
+from selfattn.io.loading import load
 
 BY = ("position", "head", "head,position")
 DEFAULT_SITE = {"position": "resid_pre", "head": "z", "head,position": "z"}
@@ -61,7 +61,7 @@ def main(args: argparse.Namespace) -> int:
     site = args.site or DEFAULT_SITE[args.by]
     site_of(site, args.by)  # a site without heads by head: refused before loading
     device = _validate.device(args.device)
-    loaded = load(args.ckpt)
+    loaded = load(args.ckpt, **flags.base_of(args))
     model = loaded.model.to(device, flags.dtype(args)).eval()
     tokenizer = loaded.require_tokenizer()
     clean, corrupt = (_prompt(tokenizer, flag, text, model.config.block_size)

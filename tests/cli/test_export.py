@@ -287,7 +287,8 @@ def test_exporting_onto_a_live_run_kills_nothing_and_loses_nothing(byte_export, 
                                                                         "ckpt-0000300.safetensors"]
     steps = [json.loads(line)["step"] for line in (live / "log.jsonl").read_text().splitlines()]
     assert steps == [0, *range(1, 301), 300]  # every step and both evaluations logged, none lost
-    assert (live / "tokens" / "meta.json").is_file() and load(live).source.name == "ckpt-0000300.safetensors"
+    assert (live / "tokens" / "meta.json").is_file() and load(live).source.name == "best.safetensors"  # step 300's
+    assert checkpoint.read(live / "best.safetensors")[1]["meta"]["step"] == 300
 
 
 def test_a_run_without_a_checkpoint_is_one_line(tmp_path, capsys):
