@@ -50,7 +50,7 @@ test: setup $(CHROMIUM) models llama-cpp
 
 # The fast tier for the edit-test loop: the tests that need no model, no llama.cpp and no browser (marked
 # `external` by tests/conftest.py; `make test` runs them, and fails where a part is missing), nor the heaviest
-# (marked `slow`), so that it ends within 5 minutes on 2 cores.
+# (marked `slow`); its budget is 5 minutes on 2 cores: mark a test slow when it makes the tier miss it.
 check: setup
 	$(BIN)/python -m pytest -q -n 2 -m "not external and not slow"
 
