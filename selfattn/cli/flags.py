@@ -191,3 +191,19 @@ def check_random_tokens(n: int, config) -> None:
     if n > config.vocab_size:
         raise ValueError(f"--random-tokens {n} needs {n} distinct tokens, more than the model's vocabulary of "
                          f"{config.vocab_size}; pass --random-tokens {config.vocab_size} or less")
+
+
+def figure_and_top(args: argparse.Namespace, name: str):
+    """``--out FILE`` (a PNG; ``name`` in the example when a folder is given), its folder checked
+    writable before any work, and ``--top`` checked positive: the path to write."""
+    from pathlib import Path
+
+    from selfattn._util import files
+
+    out = Path(args.out)
+    if out.is_dir():
+        raise ValueError(f"--out {args.out!r} is a folder: name the PNG to write, e.g. --out {out / name}")
+    files.writable_folder(out.parent)
+    if args.top <= 0:
+        raise ValueError(f"--top must be positive, got {args.top}")
+    return out

@@ -14,7 +14,6 @@ from pathlib import Path
 
 import torch
 
-from selfattn._util import files as _files
 from selfattn._util import plot as _plot
 from selfattn._util import validate as _validate
 from selfattn.analysis.heads import repeated_tokens
@@ -35,12 +34,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    out = Path(args.out)
-    if out.is_dir():
-        raise ValueError(f"--out {args.out!r} is a folder: name the PNG to write, e.g. --out {out / 'lens.png'}")
-    _files.writable_folder(out.parent)  # checked before the work
-    if args.top <= 0:
-        raise ValueError(f"--top must be positive, got {args.top}")
+    out = flags.figure_and_top(args, "lens.png")  # checked before the work
     positions = _parse_positions(args.positions)
     flags.check_input(args)
     device = _validate.device(args.device)
