@@ -1,6 +1,5 @@
 """`selfattn lens`: each layer's top tokens are the library's logit lens, the last layer's the model's own greedy
 next token (on a run of ours and on a GPT-2 folder); the heatmap is written; bad positions are one line, exit 2."""
-import dataclasses
 
 import pytest
 import torch
@@ -8,11 +7,10 @@ import torch
 from selfattn.cli import main as cli
 from selfattn.config import GPTConfig
 from selfattn.interp import logit_lens, run_with_cache
-from selfattn.model import GPT
 from selfattn.tokenizers import BPETokenizer
-from selfattn.training import checkpoint
 
 from helpers.gpt2 import gpt2_folder
+from helpers.models import byte_run
 
 TEXT = "the cat sat on the mat. the cat"
 
@@ -21,11 +19,7 @@ TEXT = "the cat sat on the mat. the cat"
 def run(tmp_path_factory):
     root = tmp_path_factory.mktemp("lens")
     cfg = GPTConfig(vocab_size=256, block_size=64, n_layer=3, n_head=2, n_embd=16)
-    torch.manual_seed(0)
-    model = GPT(cfg)
-    checkpoint.save(root / "run", 1, model, torch.optim.AdamW(model.parameters()), keep=1,
-                    meta={"model": dataclasses.asdict(cfg), "tokenizer": {"kind": "byte"}, "step": 1})
-    return root, model.eval()
+    return root, byte_run(root / "run", cfg)
 
 
 def _byte(token: int) -> str:

@@ -1,6 +1,5 @@
 """`selfattn patch`: the metrics and the table it prints are the library's (run_with_cache, patch), the heatmap is
 written, and prompts of two lengths or an answer of several tokens are one line and exit 2."""
-import dataclasses
 
 import pytest
 import torch
@@ -8,8 +7,8 @@ import torch
 from selfattn.cli import main as cli
 from selfattn.config import GPTConfig
 from selfattn.interp import logit_diff, patch, run_with_cache
-from selfattn.model import GPT
-from selfattn.training import checkpoint
+
+from helpers.models import byte_run
 
 CLEAN, CORRUPT = "the cat sat on the", "the dog sat on the"  # byte-level: 18 tokens each
 
@@ -19,11 +18,7 @@ def run(tmp_path_factory):
     """A random byte-level GPT saved as a run folder, and the model."""
     root = tmp_path_factory.mktemp("patch")
     cfg = GPTConfig(vocab_size=256, block_size=32, n_layer=2, n_head=2, n_embd=16)
-    torch.manual_seed(0)
-    model = GPT(cfg)
-    checkpoint.save(root / "run", 1, model, torch.optim.AdamW(model.parameters()), keep=1,
-                    meta={"model": dataclasses.asdict(cfg), "tokenizer": {"kind": "byte"}, "step": 1})
-    return root, model.eval()
+    return root, byte_run(root / "run", cfg)
 
 
 def _library(model, metric, site, by):

@@ -4,7 +4,6 @@ command's help ends with an example that parses; a flag name means one thing eve
 ``cli/flags.py``); ``--out`` says FOLDER or FILE; renamed and abbreviated flags are refused; and
 ``--dtype`` takes effect in every command that takes it."""
 import argparse
-import dataclasses
 import shlex
 import subprocess
 import sys
@@ -16,9 +15,9 @@ import torch
 from selfattn.analysis.induction import InductionConfig
 from selfattn.cli import COMMANDS, GROUPS, build_parser, flags, main
 from selfattn.config import GPTConfig
-from selfattn.model import GPT
-from selfattn.training import checkpoint
 from selfattn.training.config import TrainConfig
+
+from helpers.models import byte_run
 
 ROOT = Path(__file__).resolve().parents[2]
 SHARED = ("--ckpt", "--device", "--dtype", "--seed", "--text", "--random-tokens")  # one definition each
@@ -129,11 +128,7 @@ def run(tmp_path_factory):
     """A random byte-level GPT saved as a run folder, and a text file."""
     root = tmp_path_factory.mktemp("dtype")
     cfg = GPTConfig(vocab_size=256, block_size=64, n_layer=1, n_head=2, n_embd=16)
-    torch.manual_seed(0)
-    model = GPT(cfg)
-    (root / "run").mkdir()
-    checkpoint.save(root / "run", 1, model, torch.optim.AdamW(model.parameters()), keep=1,
-                    meta={"model": dataclasses.asdict(cfg), "tokenizer": {"kind": "byte"}, "step": 1})
+    byte_run(root / "run", cfg)
     (root / "text.txt").write_text("the cat sat on the mat; the cat sat on the mat. " * 4, encoding="utf-8")
     return root
 

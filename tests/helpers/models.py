@@ -1,4 +1,7 @@
 """Small models shared by the model, generation and transformers tests."""
+import dataclasses
+from pathlib import Path
+
 import torch
 
 from selfattn.config import GPTConfig
@@ -65,3 +68,15 @@ def left_pad(prompts: list[torch.Tensor], pad: int = 0) -> tuple[torch.Tensor, t
     for i, p in enumerate(prompts):
         idx[i, T - len(p):], mask[i, T - len(p):] = p, 1
     return idx, mask
+
+
+def byte_run(folder: Path, config: GPTConfig) -> GPT:
+    """A random byte-level GPT of ``config`` (drawn after ``torch.manual_seed(0)``) saved as the run folder
+    ``folder`` (one checkpoint, step 1), as the commands load it; the model, in eval mode."""
+    from selfattn.training import checkpoint
+
+    torch.manual_seed(0)
+    model = GPT(config)
+    checkpoint.save(folder, 1, model, torch.optim.AdamW(model.parameters()), keep=1,
+                    meta={"model": dataclasses.asdict(config), "tokenizer": {"kind": "byte"}, "step": 1})
+    return model.eval()
