@@ -15,10 +15,13 @@ except ImportError as e:  # the optional extra is missing
     raise ImportError("selfattn serve needs FastAPI and uvicorn: pip install 'selfattn[serve]'") from e
 
 DRAIN_SECONDS = 30  # how long a stopping server waits for its requests in flight before cancelling them
+BACKLOG = 2048  # connections the kernel queues before the app accepts them (uvicorn's default)
 
 
 def listen(host: str, port: int) -> socket.socket:
-    """A TCP socket bound to ``host`` and ``port`` (0: a free port; ``getsockname()`` tells which)."""
+    """A TCP socket bound to ``host`` and ``port`` (0: a free port; ``getsockname()`` tells which) and
+    listening: a client that connects before the server runs waits in the backlog instead of being
+    refused."""
     if not isinstance(port, int) or not 0 <= port <= 65535:
         raise ValueError(f"port must be in 0..65535, got {port!r}")
     try:
@@ -29,6 +32,7 @@ def listen(host: str, port: int) -> socket.socket:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind(address)
+        sock.listen(BACKLOG)
     except OSError as e:
         sock.close()
         raise OSError(f"cannot listen on {host}:{port}: {e.strerror}") from None
@@ -60,4 +64,6 @@ class Server(uvicorn.Server):
 
 def server(app, *, log_level: str = "info") -> Server:
     """A :class:`Server` for ``app`` that drains for :data:`DRAIN_SECONDS` when stopped."""
-    return Server(uvicorn.Config(app, timeout_graceful_shutdown=DRAIN_SECONDS, log_level=log_level, lifespan="on"))
+    config = uvicorn.Config(app, timeout_graceful_shutdown=DRAIN_SECONDS, backlog=BACKLOG, log_level=log_level,
+                            lifespan="on")
+    return Server(config)

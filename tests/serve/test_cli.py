@@ -4,6 +4,7 @@ line and status 2."""
 import asyncio
 import json
 import select
+import socket
 import signal
 import subprocess
 import sys
@@ -144,9 +145,22 @@ def test_errors_are_one_line_and_status_2(run, capsys, args, message):
     assert err.startswith("selfattn serve: error: ") and message in err and err.count("\n") == 1
 
 
+def test_a_client_that_connects_while_the_model_loads_waits_instead_of_being_refused():
+    sock = server.listen("127.0.0.1", 0)  # what serve holds from before loading until uvicorn runs
+    bound = socket.socket()  # the negative control: bound, not listening
+    bound.bind(("127.0.0.1", 0))
+    try:
+        with socket.create_connection(sock.getsockname(), timeout=WAIT):
+            pass  # queued in the backlog: uvicorn accepts it once it runs
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(bound.getsockname(), timeout=WAIT)
+    finally:
+        sock.close()
+        bound.close()
+
+
 def test_a_port_in_use_is_an_error_before_the_model_loads(capsys):
     taken = server.listen("127.0.0.1", 0)
-    taken.listen()
     try:
         assert main(["serve", "--ckpt", "nowhere", "--port", str(taken.getsockname()[1])]) == 2
     finally:
