@@ -4,8 +4,8 @@ line and status 2."""
 import asyncio
 import json
 import select
-import socket
 import signal
+import socket
 import subprocess
 import sys
 import time
