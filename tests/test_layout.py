@@ -269,6 +269,7 @@ print(len(names))
 """
 
 
+@pytest.mark.slow  # make check leaves it out: fresh interpreters
 def test_no_import_of_the_package_runs_a_cpu_probe():
     done = subprocess.run([sys.executable, "-c", PROBES_RAISE], capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
@@ -278,12 +279,14 @@ def test_no_import_of_the_package_runs_a_cpu_probe():
                                                cwd=ROOT, timeout=300).stderr  # negative control: asked, it probes
 
 
-def test_the_dispatcher_imports_only_the_chosen_command():
-    code = ("import sys; from selfattn.cli import build_parser; build_parser(['sample']); "
+@pytest.mark.slow  # make check leaves it out: a fresh interpreter for each command
+@pytest.mark.parametrize("command", ["sample", "heads"])  # heads: not explore, whose check it once shared
+def test_the_dispatcher_imports_only_the_chosen_command(command):
+    code = (f"import sys; from selfattn.cli import build_parser; build_parser([{command!r}]); "
             "print(sorted(m for m in sys.modules if m.startswith('selfattn.cli.')))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "['selfattn.cli.flags', 'selfattn.cli.sample']"  # flags: the shared definitions
+    assert done.stdout.strip() == f"['selfattn.cli.flags', 'selfattn.cli.{command}']"  # flags: the shared definitions
 
 
 @pytest.mark.parametrize("name", backends.NAMES)

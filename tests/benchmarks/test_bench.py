@@ -191,6 +191,7 @@ def test_attention_targets_pass_and_miss_on_the_measured_numbers():
     assert [t["status"] for t in attention.targets({"results": []})] == ["n/a"] * 5
 
 
+@pytest.mark.slow  # make check leaves it out: a whole quick suite
 def test_attention_quick_run_writes_json_and_plot(tmp_path, capsys):
     assert bench(["attention", "--quick", "--threads", "1", "--out", str(tmp_path),
                      "--dtype", "float32", "--impls", "auto", "math", "sdpa", "tiled", "seed", "hf-gpt2"]) == 0

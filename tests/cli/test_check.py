@@ -101,6 +101,7 @@ def test_every_builtin_case_passes():
     assert any(re.match(r"triton +skipped: .*needs a CUDA device", line) for line in lines)  # and says why
 
 
+@pytest.mark.slow  # make check leaves it out: a fresh interpreter
 def test_a_leaking_user_module_fails_the_command(user_modules):
     done = run_cli("--module", "user_mod:build", "--seq-len", "5", path=user_modules)
     assert done.returncode == 1, done.stdout + done.stderr

@@ -146,6 +146,7 @@ def test_ctrl_c_while_a_command_runs_is_one_line_and_status_130(monkeypatch, cap
     assert capsys.readouterr().err == "selfattn demo: interrupted\n"
 
 
+@pytest.mark.slow  # make check leaves it out: fresh interpreters
 def test_the_package_loads_torch_only_when_a_public_name_is_used():
     code = ("import sys, selfattn, selfattn.cli; print('torch' in sys.modules); "
             "from selfattn import SelfAttention, attention; import selfattn.model; "

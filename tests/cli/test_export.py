@@ -260,6 +260,7 @@ def test_a_run_that_starts_in_the_folder_during_the_export_is_kept(byte_export, 
     assert export(loaded.model, loaded.tokenizer, out, force=True).files == FILES
 
 
+@pytest.mark.slow  # make check leaves it out: a live training process
 def test_exporting_onto_a_live_run_kills_nothing_and_loses_nothing(byte_export, tmp_path, capsys):
     run, *_ = byte_export
     live = tmp_path / "live"

@@ -67,6 +67,7 @@ def test_prints_one_flush_per_token_and_reproduces_with_a_seed(run, monkeypatch)
                    "--seed", "8").text() != terminal.text()  # control: another seed, other text
 
 
+@pytest.mark.slow  # make check leaves it out: a fresh interpreter
 def test_a_fresh_process_prints_the_same_text(run, monkeypatch):
     args = ["--ckpt", str(run), "--max-new-tokens", "30", "--seed", "3", "--top-k", "20", "--top-p", "0.9"]
     r = subprocess.run([sys.executable, "-m", "selfattn", "sample", *args], capture_output=True, timeout=120,
@@ -178,6 +179,7 @@ def test_compile_samples_the_eager_text_across_slides(run, monkeypatch):
     assert len(compiled) == 1 and compiled_of(compiled[0]) is not None
 
 
+@pytest.mark.slow  # make check leaves it out: compiles graphs
 def test_compile_speculates_through_compiled_forwards_with_the_eager_text(run, monkeypatch):
     args = ["--ckpt", str(run), "--prompt", "The ", "--max-new-tokens", "12", "--temperature", "0"]
     calls = []

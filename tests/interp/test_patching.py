@@ -123,6 +123,7 @@ TL = {"get_act_patch_resid_pre": ("resid_pre", "position"), "get_act_patch_resid
       "get_act_patch_attn_head_pattern_by_pos": ("pattern", "head,position")}
 
 
+@pytest.mark.slow  # make check leaves it out: TransformerLens boots each family
 @pytest.mark.parametrize("case", ["gpt2", "llama-llama3-rope"])  # the Llama is grouped-query: 4 heads, 2 KV heads
 def test_patching_equals_transformer_lens(case, tmp_path):
     from interp.test_transformer_lens import bridge

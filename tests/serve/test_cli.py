@@ -38,6 +38,7 @@ def _first_line(proc: subprocess.Popen) -> str:
     return proc.stdout.readline()
 
 
+@pytest.mark.slow  # make check leaves it out: a server process each
 @pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "Ctrl-C"])
 def test_a_signal_lets_the_request_in_flight_finish_and_exits_0(run, stop):
     proc = subprocess.Popen([sys.executable, "-m", "selfattn", "serve", "--ckpt", str(run), "--port", "0"],

@@ -148,6 +148,7 @@ def _write_bad(tmp_path, kind):
     return path
 
 
+@pytest.mark.slow  # make check leaves it out: a fresh interpreter each
 @pytest.mark.parametrize("kind, message", [("missing", "does not exist"), ("binary", "looks binary")])
 def test_bad_data_is_one_line_and_exit_2_in_a_subprocess(tmp_path, kind, message):
     path = tmp_path / "missing.txt" if kind == "missing" else _write_bad(tmp_path, kind)

@@ -144,6 +144,7 @@ def _sha(path):
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
+@pytest.mark.slow  # make check leaves it out: every command in turn
 def test_an_edited_header_is_refused_by_every_command(whole, tmp_path, capsys):
     run = tmp_path / "run"
     shutil.copytree(whole, run)

@@ -75,6 +75,7 @@ def runs(tmp_path_factory):
     return {"whole": whole, "resumed": resumed, "after_kill": after_kill}
 
 
+@pytest.mark.slow  # make check leaves it out: the kill-and-resume runs: three processes
 def test_sigkill_during_a_save_leaves_the_last_checkpoint(runs):
     names = runs["after_kill"]
     assert "ckpt-0000002.safetensors" in names and "ckpt-0000004.safetensors" not in names
@@ -82,6 +83,7 @@ def test_sigkill_during_a_save_leaves_the_last_checkpoint(runs):
     assert not any(n.startswith(".ckpt-") for n in os.listdir(runs["resumed"]))  # cleaned up by the next save
 
 
+@pytest.mark.slow  # make check leaves it out: the kill-and-resume runs: three processes
 def test_resume_in_a_fresh_process_equals_the_uninterrupted_run(runs):
     whole, resumed = _records(runs["whole"]), _records(runs["resumed"])
     assert [r["step"] for r in whole if "loss" in r] == [1, 2, 3, 4, 5, 6]
@@ -91,6 +93,7 @@ def test_resume_in_a_fresh_process_equals_the_uninterrupted_run(runs):
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.slow  # make check leaves it out: the kill-and-resume runs: three processes
 def test_resume_checker_can_fail(runs, tmp_path):
     """Negative control: the same run with another seed differs, so equality above is not vacuous."""
     assert main(["train", *RESUMED, "--max-steps", "2", "--seed", "1", "--out", str(tmp_path)]) == 0
@@ -99,6 +102,7 @@ def test_resume_checker_can_fail(runs, tmp_path):
     assert other != whole
 
 
+@pytest.mark.slow  # make check leaves it out: the kill-and-resume runs: three processes
 def test_nonfinite_loss_stops_naming_the_step_and_keeps_the_checkpoint(runs, tmp_path, capsys):
     run = tmp_path / "run"
     shutil.copytree(runs["resumed"], run)
@@ -117,6 +121,7 @@ def _torchrun(*args, nproc=2):
     return subprocess.run(cmd + list(args), capture_output=True, text=True, timeout=300, env=ENV)
 
 
+@pytest.mark.slow  # make check leaves it out: torchrun's process groups
 @pytest.mark.parametrize("mode", ["ddp", "fsdp"])
 def test_two_cpu_processes_equal_one_with_the_same_global_batch(tmp_path, mode):
     flags = MICRO + ["--max-steps", "3", "--save-every", "3", "--eval-every", "3", "--lr", "1e-2"]
@@ -136,6 +141,7 @@ def test_two_cpu_processes_equal_one_with_the_same_global_batch(tmp_path, mode):
     assert losses[0] == pytest.approx(losses[1], rel=1e-5)
 
 
+@pytest.mark.slow  # make check leaves it out: torchrun's process groups
 @pytest.mark.parametrize("mode", ["ddp", "fsdp"])
 def test_lora_on_two_cpu_processes_equals_one(tmp_path, mode):
     base = tmp_path / "base"
@@ -153,6 +159,7 @@ def test_lora_on_two_cpu_processes_equals_one(tmp_path, mode):
     assert all(one[k].abs().max() > 1e-3 for k in one if k.endswith("lora_B"))  # control: B left zero
 
 
+@pytest.mark.slow  # make check leaves it out: torchrun's process groups
 @pytest.mark.parametrize("nproc, n, pos", [(2, 2, "learned"), (4, 2, "rope")], ids=["cp2", "dp2xcp2"])
 def test_context_parallel_training_equals_one_process_step_for_step(tmp_path, nproc, n, pos):
     """Each sequence split over n ranks (ring attention), DDP over the rings: the same losses,
@@ -285,6 +292,7 @@ def test_config_file_layers_over_the_preset_and_flags_over_both(tmp_path):
     assert (model_cfg.n_layer, model_cfg.n_embd, train_cfg.lr, train_cfg.max_steps, resume) == (3, 128, 5e-4, 9, None)
 
 
+@pytest.mark.slow  # make check leaves it out: the kill-and-resume runs: three processes
 def test_resume_refusals(runs, tmp_path, capsys):
     assert main(["train", "--resume", "--out", str(tmp_path / "empty")]) == 2
     assert "no checkpoint" in capsys.readouterr().err
@@ -310,6 +318,7 @@ def _tree(folder):
                              "vocabulary and the token cache come from it"),
     (["--data", "OTHER"], "is not the one this run was trained on"),
 ])
+@pytest.mark.slow  # make check leaves it out: the kill-and-resume runs: three processes
 def test_a_resume_that_would_change_the_tokens_is_refused_before_writing(runs, tmp_path, capsys, flags, message):
     run = tmp_path / "run"
     shutil.copytree(runs["whole"], run)
