@@ -64,7 +64,10 @@ def _installed(model, tap) -> Iterator[None]:
 
 
 def _check_names(model, names: Iterable[str]) -> None:
-    """ValueError naming each unknown site and the nearest real ones."""
+    """ValueError naming each unknown site and the nearest real ones (no names: nothing run)."""
+    names = list(names)
+    if not names:
+        return
     known = sites(model)
     unknown = [n for n in names if n not in set(known)]
     if unknown:
@@ -150,16 +153,16 @@ def hooks(model, fwd=None, *, bwd=None) -> Iterator[None]:
         yield
 
 
-def _keep(model, names) -> Callable[[str], bool]:
+def _keep(names) -> tuple[Callable[[str], bool], list[str]]:
+    """What ``run_with_cache`` keeps: (a predicate on site names, the exact names asked for)."""
     if names is None:
-        return lambda name: True
+        return (lambda name: True), []
     if callable(names):
-        return names
+        return names, []
     names = [names] if isinstance(names, str) else list(names)
     if not all(isinstance(n, str) for n in names):
         raise TypeError(f"names must be a site name, a list of them or a predicate name -> bool, got {names!r}")
-    _check_names(model, names)
-    return set(names).__contains__
+    return set(names).__contains__, names
 
 
 def run_with_cache(model, idx: Tensor, names=None, *, device=None, dtype: torch.dtype | None = None,
@@ -173,7 +176,7 @@ def run_with_cache(model, idx: Tensor, names=None, *, device=None, dtype: torch.
     fwd: forward hooks to run as well (as :func:`hooks`); the cache holds what flowed on.
     """
     model = _gpt(model)
-    keep = _keep(model, names)
+    keep, asked = _keep(names)
     if device is not None:
         device = torch.device(device)
     if dtype is not None and not isinstance(dtype, torch.dtype):
@@ -185,4 +188,6 @@ def run_with_cache(model, idx: Tensor, names=None, *, device=None, dtype: torch.
 
     with hooks(model, fwd), _installed(model, _Hooks([(keep, store)], [], model.tap, keep)):
         logits, _ = model(idx, **forward)
+    # a name asked for and not met is checked after the forward, so a right one costs no second forward
+    _check_names(model, [n for n in asked if n not in cache])
     return logits, cache

@@ -67,6 +67,19 @@ def test_a_wrong_site_name_is_refused_naming_the_nearest():
             pass
 
 
+def test_a_cache_of_named_sites_costs_one_forward(monkeypatch):
+    """The names are checked against what the forward met, not by a forward of their own."""
+    model = scrambled(small())
+    calls = []
+    forward = type(model).forward
+    monkeypatch.setattr(type(model), "forward", lambda self, *a, **k: calls.append(1) or forward(self, *a, **k))
+    run_with_cache(model, torch.zeros(1, 3, dtype=torch.long), names=["hook_embed", "blocks.1.hook_resid_post"])
+    assert len(calls) == 1
+    with pytest.raises(ValueError, match="hook_embedd"):
+        run_with_cache(model, torch.zeros(1, 3, dtype=torch.long), names=["hook_embedd"])
+    assert len(calls) == 3  # the negative control: a wrong name costs the listing's forward too
+
+
 def test_run_with_cache_keeps_only_the_asked_sites_where_asked(monkeypatch):
     model = scrambled(small(pos="rope", n_kv_head=2))
     idx = torch.randint(0, 61, (2, 7))
