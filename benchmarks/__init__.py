@@ -21,6 +21,8 @@ settings, ``run(settings, device, log=...) -> result``, ``report(result) -> text
   and bfloat16 autocast, against ``transformers`` (+ ``peft``) on the same weights: tokens/s, peak memory;
 - ``surgery`` (:mod:`~benchmarks.surgery`): SmolLM2 given a sliding window with sink tokens: its
   perplexity before, right after and after a fine-tune, its decode speed and KV cache at a long context;
+- ``interp`` (:mod:`~benchmarks.interp`): :mod:`selfattn.interp` against TransformerLens on SmolLM2: a plain
+  forward, ``run_with_cache`` of every site and of three, a head sweep of activation patching: median time, peak memory;
 - ``serving`` (:mod:`~benchmarks.serving`): ``selfattn serve`` against llama.cpp's ``llama-server`` on
   SmolLM2's GGUF file, 1, 4 and 16 concurrent streaming chat clients: aggregate tokens/s, time to first
   token and inter-token latency (median, p95);
@@ -46,6 +48,7 @@ from benchmarks import (
           decode,
           decode_llama,
           finetune,
+          interp,
           loading,
           masks,
           quantized,
@@ -57,7 +60,7 @@ from benchmarks import (
 )
 
 SUITES = {"attention": attention, "decode": decode, "speculative": speculative, "int8": quantized, "train": train,
-          "finetune": finetune, "surgery": surgery, "serving": serving,
+          "finetune": finetune, "surgery": surgery, "interp": interp, "serving": serving,
           "loading": loading, "decode-llama": decode_llama, "masks": masks,
           "context-parallel": context_parallel, "triton": triton_gpu}
 GPU_ONLY = ("triton",)  # left out of ``all`` where there is no CUDA device

@@ -1,6 +1,6 @@
 """Benchmarks against the peers, in one run: attention T sweep, decode tokens/s, train tokens/s.
 
-``python -m benchmarks attention|decode|speculative|int8|train|finetune|surgery|serving|loading|decode-llama|
+``python -m benchmarks attention|decode|speculative|int8|train|finetune|surgery|interp|serving|loading|decode-llama|
 masks|context-parallel|triton|all [--out DIR] [--quick] [--device D] [--threads N]``, from the repository's root,
 runs the suites of :mod:`benchmarks` (``auto``'s calibration is the library's own command, ``selfattn calibrate``). Each
 prints its tables
@@ -32,6 +32,8 @@ HELP = {"attention": "attention layers: our backends vs the peers over a T sweep
         "finetune": "a fine-tuning step on SmolLM2, full and LoRA, float32 and bfloat16: ours vs transformers + peft",
         "surgery": "SmolLM2 given a sliding window with sink tokens: perplexity before, after, after a fine-tune; "
                    "decode speed and KV cache at a long context",
+        "interp": "selfattn.interp vs TransformerLens on SmolLM2: a plain forward, run_with_cache of every site and "
+                  "of three, a head sweep of activation patching",
         "serving": "selfattn serve vs llama.cpp's llama-server under 1, 4 and 16 streaming chat clients: aggregate "
                    "tokens/s, time to first token, inter-token latency",
         "loading": "SmolLM2's and Gemma 3's GGUF files loaded and ready to generate: ours vs llama.cpp",
@@ -236,6 +238,19 @@ def _surgery_flags(p: argparse.ArgumentParser) -> None:
                    help=f"tokens of an evaluation window and of the decode's prompt (default {full.context})")
 
 
+def _interp_flags(p: argparse.ArgumentParser) -> None:
+    full, quick = suites.interp.FULL, suites.interp.QUICK
+    p.add_argument("--ckpt", default=None, metavar="PATH",
+                   help="the model (with a tokenizer; TransformerLens gets it exported as a transformers folder); "
+                        "default: SmolLM2-135M-Instruct's GGUF file in .cache/models (`make models`); --quick: a "
+                        "small random model")
+    p.add_argument("--tokens", type=int, default=None,
+                   help=f"tokens of the forward and cache rows (default {full.tokens}, --quick {quick.tokens})")
+    p.add_argument("--sweep-reps", type=int, default=None,
+                   help=f"timed head sweeps of each (default {full.sweep_reps}, --quick {quick.sweep_reps})")
+    p.add_argument("--no-memory", action="store_true", help="do not measure peak memory")
+
+
 def _serving_flags(p: argparse.ArgumentParser) -> None:
     full, quick = suites.serving.FULL, suites.serving.QUICK
     p.add_argument("--ckpt", default=None, metavar="PATH",
@@ -310,6 +325,7 @@ def _triton_flags(p: argparse.ArgumentParser) -> None:
 
 SUITE_FLAGS = {"attention": _attention_flags, "decode": _decode_flags, "speculative": _speculative_flags,
                "int8": _int8_flags,
-               "train": _train_flags, "finetune": _finetune_flags, "surgery": _surgery_flags, "serving": _serving_flags,
+               "train": _train_flags, "finetune": _finetune_flags, "surgery": _surgery_flags, "interp": _interp_flags,
+               "serving": _serving_flags,
                "loading": _loading_flags, "decode-llama": _decode_llama_flags,
                "masks": _masks_flags, "context-parallel": _context_parallel_flags, "triton": _triton_flags}
