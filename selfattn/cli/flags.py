@@ -134,6 +134,11 @@ def add_ckpt(parser: argparse.ArgumentParser, *, required: bool = True, purpose:
     run's base model is now (:func:`base_of`)."""
     parser.add_argument("--ckpt", required=required, metavar="PATH", default=argparse.SUPPRESS if required else None,
                         help=f"{purpose}: {CKPT_HELP}" if purpose else CKPT_HELP)
+    add_base(parser)
+
+
+def add_base(parser: argparse.ArgumentParser) -> None:
+    """``--base PATH``: where a LoRA run's base model is now, when it moved (:func:`base_of`)."""
     parser.add_argument("--base", default=None, metavar="PATH",
                         help="a LoRA run's base model at its new place, when it moved (the run names its old "
                              "one); it must be the same model: its digest is checked")

@@ -39,6 +39,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--resume", action="store_true",
                    help="continue the run in --out from its newest checkpoint, with its configs; "
                         "flags given here change training fields")
+    flags.add_base(p)
     flags.add_flags(p, GPTConfig, only=MODEL_FLAGS, title="the model (--set, presets and --config set the rest)")
     flags.add_flags(p, TrainConfig, only=TRAIN_FLAGS, title="training (--set, presets and --config set the rest)")
     flags.add_set(p, GPTConfig, TrainConfig)
@@ -81,7 +82,8 @@ def _train(args: argparse.Namespace) -> int:
         progress = _Progress()
         try:
             with progress:  # the bar is closed before anything else is printed
-                result = train(model_cfg, train_cfg, out, resume_from=resume_from, on_event=progress)
+                result = train(model_cfg, train_cfg, out, resume_from=resume_from, on_event=progress,
+                               **flags.base_of(args))
             parallel.barrier()  # every rank is done before any tears the process group down
             if parallel.rank() == 0:
                 print(_summary(result, train_cfg))

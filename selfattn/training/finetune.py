@@ -6,6 +6,7 @@ one that would do nothing (a window that never binds), is refused naming the fla
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,20 +30,27 @@ class Start:
     meta: dict  # what every checkpoint keeps of the source: "special" (its special tokens), "lora" (settings, base)
 
 
-def begin(init_from: str, config: GPTConfig, adapters: dict | None, saved: dict | None) -> Start:
+def begin(init_from: str, config: GPTConfig, adapters: dict | None, saved: dict | None,
+          base: str | os.PathLike | None = None) -> Start:
     """The model a run fine-tunes: the source ``init_from`` carried into ``config``, and for LoRA
     (``adapters``: :func:`selfattn.lora.add_lora`'s rank, alpha, dropout, mlp) adapters on it, drawn
     from the torch RNG. ``saved``: the meta of the checkpoint a run resumes from (None: a new run); a
     full fine-tune then takes every weight from the checkpoint and needs no source, a LoRA run loads
-    its base again and refuses one whose digest is not the one its adapters were trained on."""
+    its base again (from ``base`` when it moved there) and refuses one whose digest is not the one its
+    adapters were trained on."""
+    if base is not None and (saved is None or adapters is None):
+        raise ValueError("--base gives a LoRA run's moved base model when it resumes: pass it with --resume, for a "
+                         "run trained with --lora-rank")
     if saved is not None and adapters is None:
         special = saved.get("special")
         return Start(GPT(config), from_spec(saved["tokenizer"]), special and chat_of(special, init_from),
                      {"special": special})
-    path = init_from if saved is None else saved["lora"]["base"]["path"]
+    path = init_from if saved is None else str(base or saved["lora"]["base"]["path"])
     if saved is not None and not Path(path).exists():
-        raise ValueError(f"the base model of this LoRA run, {path!r}, does not exist (moved?); put it back there to "
-                         f"resume (sample, eval and export take its new place as --base PATH)")
+        if base is not None:
+            raise ValueError(f"--base {path!r} does not exist")
+        raise ValueError(f"the base model of this LoRA run, {path!r}, does not exist (moved?); give its new place "
+                         f"with --base PATH")
     loaded = source(path)
     model = start_from(loaded, config, path)
     meta = {"special": special_of(loaded)}

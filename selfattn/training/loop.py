@@ -72,7 +72,7 @@ OnEvent = Callable[[str, dict], None]
 
 
 def train(model_cfg: GPTConfig, cfg: TrainConfig, out: str | os.PathLike, *, resume_from: Path | None = None,
-          on_event: OnEvent | None = None) -> TrainResult:
+          on_event: OnEvent | None = None, base: str | os.PathLike | None = None) -> TrainResult:
     """Train a model of ``model_cfg`` as ``cfg`` says, in the run folder ``out``.
 
     Args:
@@ -83,6 +83,8 @@ def train(model_cfg: GPTConfig, cfg: TrainConfig, out: str | os.PathLike, *, res
         resume_from: the checkpoint to continue from (:func:`~selfattn.training.resume.resolve_configs`
             finds it); None starts the run.
         on_event: called on rank 0 with each event, ``on_event(kind, record)`` (:data:`OnEvent`).
+        base: a resumed LoRA run's base model at its new place, when it moved (its digest is checked);
+            None: where the run names it.
 
     Returns:
         a :class:`TrainResult`: the run folder, its last step, the steps this call ran, the last
@@ -91,11 +93,11 @@ def train(model_cfg: GPTConfig, cfg: TrainConfig, out: str | os.PathLike, *, res
     Raises :class:`Diverged` on a NaN/inf loss; every refusal (a bad value, another corpus on
     resume) comes before anything in ``out`` is written."""
     with lock.hold(out):
-        return _train(model_cfg, cfg, Path(out), resume_from, on_event)
+        return _train(model_cfg, cfg, Path(out), resume_from, on_event, base)
 
 
 def _train(model_cfg: GPTConfig, cfg: TrainConfig, out: Path, resume_from: Path | None,
-           on_event: OnEvent | None) -> TrainResult:
+           on_event: OnEvent | None, base: str | os.PathLike | None) -> TrainResult:
     _check_context_parallel(model_cfg, cfg.context_parallel)
     seq_len = cfg.seq_len or model_cfg.block_size
     if seq_len > model_cfg.block_size:
@@ -115,7 +117,7 @@ def _train(model_cfg: GPTConfig, cfg: TrainConfig, out: Path, resume_from: Path 
     trained_on = saved[1]["meta"]["data"]["fingerprint"] if saved else None
     torch.manual_seed(cfg.seed)  # the same initial weights (and adapters) on every rank
     start_from = None if cfg.init_from is None else finetune.begin(
-        cfg.init_from, model_cfg, _adapters(cfg), saved and saved[1]["meta"])
+        cfg.init_from, model_cfg, _adapters(cfg), saved and saved[1]["meta"], base)
     corpus = _prepare_data(out, cfg, seq_len, rank, trained_on, start_from)
     general = None if start_from is None or not cfg.general_tokens else forgetting.general_rows(
         corpus.tokenizer, cfg.general_data, cfg.general_tokens, seq_len)  # (R, seq_len + 1)

@@ -15,6 +15,7 @@ import torch
 from tokenizers import pre_tokenizers
 
 from selfattn._util import files
+from selfattn.formats import checkpoint
 from selfattn.io.loading import load
 from selfattn.tokenizers import BPETokenizer
 
@@ -130,6 +131,15 @@ def test_a_run_whose_base_moved_says_so_and_takes_its_new_place(made, tmp_path):
         assert "give its new place with --base PATH" in err, err
         code, _, err = command("train", "--resume", "--out", str(run), "--max-steps", "3")
         assert code == 2 and f"the base model of this LoRA run, '{base}', does not exist (moved?)" in err, err
+        assert "give its new place with --base PATH" in err, err
+        resumed = tmp_path / "resumed"
+        shutil.copytree(run, resumed)
+        code, _, err = command("train", "--resume", "--out", str(resumed), "--max-steps", "3", "--base", str(moved))
+        assert code == 0, err  # the digest is the base's: it trains on, and names the new place from now on
+        assert checkpoint.read_latest(resumed)[2]["meta"]["lora"]["base"]["path"] == str(moved.absolute())
+        code, _, err = command("train", "--init-from", str(moved), "--data", str(data), "--out", str(tmp_path / "new"),
+                               "--base", str(moved))
+        assert code == 2 and "pass it with --resume" in err and err.count("\n") == 1, err
 
         code, printed, err = command("eval", "--ckpt", str(run), "--data", str(data), "--base", str(moved))
         assert code == 0, err
