@@ -346,7 +346,9 @@ class GPT(nn.Module):
         h = self.hidden(idx, mask, cache, past, prefix_len, shard, doc_ids=doc_ids)  # (B, T, C)
         if targets is None:
             return self.logits(h), None  # (B, T, V)
-        return None, head_cross_entropy(h.flatten(0, 1), self.lm_head.weight, targets.flatten(),
+        # a head quantized by selfattn.generation.quantize_int8 gives the weight its products use
+        weight = self.lm_head.weight if isinstance(self.lm_head, nn.Linear) else self.lm_head.dequantized()
+        return None, head_cross_entropy(h.flatten(0, 1), weight, targets.flatten(),
                                         softcap=self.config.logit_softcap)  # (B·T, C) against (B·T,)
 
     def hidden(self, idx: Tensor | None, mask: Tensor | None, cache: Sequence[KVCache] | None, past: int,

@@ -16,8 +16,10 @@ conversation a line, each rendered with the model's chat template, read whole in
 only the assistant's tokens predicted (what fine-tuning on it trains); a conversation longer than
 the model's ``block_size`` is refused, naming its line. ``--context`` and ``--stride`` are for text.
 
-The model runs on ``--device`` in ``--dtype``. Prints the loss in nats per predicted token and,
-last, the perplexity, its exponential.
+The model runs on ``--device`` in ``--dtype``, with ``--quantize int8`` on weight-only int8 (what
+``selfattn sample --quantize int8`` decodes with: the perplexity says what it costs) and on
+``--threads`` threads. Prints the loss in nats per predicted token and, last, the perplexity, its
+exponential.
 """
 from __future__ import annotations
 
@@ -36,6 +38,7 @@ EXAMPLE = "selfattn eval --ckpt runs/tiny --data README.md --context 128 --strid
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     flags.add_model(p)
+    flags.add_speed(p)
     p.add_argument("--data", required=True, metavar="FILE", default=argparse.SUPPRESS,
                    help="a UTF-8 text file, tokenized with the model's tokenizer; or a .jsonl chat file "
                         "({\"messages\": [...]} a line): the loss over the assistant's tokens")
@@ -61,8 +64,9 @@ def main(args: argparse.Namespace) -> int:
     if len(ids) < 2:
         raise ValueError(f"--data {args.data!r} is {len(ids)} token(s) long with the tokenizer of {loaded.source}; "
                          f"a perplexity needs at least 2")
-    result = perplexity(loaded.model.to(device, flags.dtype(args)), ids, context=context, stride=args.stride)
-    print_model(loaded, device, args.dtype)
+    model = flags.speed_up(args, loaded.model.to(device, flags.dtype(args)))
+    result = perplexity(model, ids, context=context, stride=args.stride)
+    print_model(loaded, device, args)
     print(f"  {args.data}: {len(ids):,} tokens, {result.tokens:,} predicted")
     print(f"  {result.contexts:,} context{'s' * (result.contexts != 1)} of up to {result.context} tokens, "
           f"stride {result.stride}")
@@ -78,8 +82,9 @@ def main_chat(args: argparse.Namespace) -> int:
     loaded = load(args.ckpt, **flags.base_of(args))
     encoded = chat.encode_all(conversations, loaded.require_tokenizer(), loaded.require_chat(), where=args.data,
                               block_size=loaded.model.config.block_size)
-    result = masked_perplexity(loaded.model.to(device, flags.dtype(args)), [(e.ids, e.targets()) for e in encoded])
-    print_model(loaded, device, args.dtype)
+    model = flags.speed_up(args, loaded.model.to(device, flags.dtype(args)))
+    result = masked_perplexity(model, [(e.ids, e.targets()) for e in encoded])
+    print_model(loaded, device, args)
     print(f"  {args.data}: {len(encoded):,} conversations, {sum(len(e.ids) for e in encoded):,} tokens, "
           f"{result.tokens:,} assistant tokens predicted")
     print(f"loss {result.loss:.6g}")
@@ -87,15 +92,17 @@ def main_chat(args: argparse.Namespace) -> int:
     return 0
 
 
-def print_model(loaded: Loaded, device, dtype: str) -> None:
-    """The first line of the report: the model, where it runs and in which dtype."""
+def print_model(loaded: Loaded, device, args: argparse.Namespace) -> None:
+    """The first line of the report: the model, where it runs, in which dtype and weights."""
     cfg = loaded.model.config
     print(f"selfattn eval: {loaded.source}: {cfg.n_layer} layers x {cfg.n_head} heads, C={cfg.n_embd}, "
-          f"{loaded.model.num_params() / 1e6:.2f}M parameters, on {device} in {dtype}")
+          f"{loaded.model.num_params() / 1e6:.2f}M parameters, on {device} in {args.dtype}"
+          + (", weights int8" if args.quantize == "int8" else ""))
 
 
 def check_flags(args: argparse.Namespace) -> None:
     """The flags' values that need no model, checked before it is loaded."""
+    flags.check_threads(args)
     if chat.is_chat_data(args.data) and (args.context is not None or args.stride is not None):
         raise ValueError(f"--context and --stride read a text in sliding contexts; the chat file {args.data!r} is "
                          f"read one whole conversation a forward: drop them")

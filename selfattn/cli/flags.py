@@ -163,6 +163,32 @@ def dtype(args: argparse.Namespace):
     return getattr(torch, args.dtype)
 
 
+def add_speed(parser: argparse.ArgumentParser) -> None:
+    """``--quantize int8`` and ``--threads N``, for the commands that run a model's forwards
+    (:func:`speed_up` applies them)."""
+    parser.add_argument("--quantize", choices=["int8"], default=None,
+                        help="weight-only int8 (per-channel scales): fewer bytes a token, slightly different numbers")
+    parser.add_argument("--threads", type=int, default=None, metavar="N",
+                        help="threads torch computes on; unset: torch's default, a thread a core")
+
+
+def check_threads(args: argparse.Namespace) -> None:
+    """``--threads`` is a positive count, checked before the model is loaded."""
+    if args.threads is not None and args.threads < 1:
+        raise ValueError(f"--threads must be >= 1, got {args.threads}")
+
+
+def speed_up(args: argparse.Namespace, model):
+    """``model`` with ``--quantize`` applied (in place), torch's threads set by ``--threads``."""
+    import torch
+
+    from selfattn.generation.int8 import quantize_int8
+
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    return quantize_int8(model) if args.quantize == "int8" else model
+
+
 def add_seed(parser: argparse.ArgumentParser, what: str) -> None:
     """``--seed N``, default :data:`SEED`; ``what`` says what it seeds."""
     parser.add_argument("--seed", type=int, default=SEED, metavar="N", help=what)

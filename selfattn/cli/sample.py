@@ -41,7 +41,6 @@ import torch
 from selfattn._util import validate as _validate
 from selfattn.cli import flags
 from selfattn.generation import compile_decode, decode_layout
-from selfattn.generation.int8 import quantize_int8
 from selfattn.generation.sampling import check_sampling
 from selfattn.generation.speculative import Speculative
 from selfattn.generation.text import new_tokens, text_pieces
@@ -65,8 +64,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative", default=None, metavar="HOW",
                    help="speculative decoding, the same text in fewer forwards: lookup (prompt lookup), self:N "
                         "(the model's first N layers draft) or draft:PATH (a smaller model, the same vocabulary)")
-    p.add_argument("--quantize", choices=["int8"], default=None,
-                   help="weight-only int8 (per-channel scales): fewer bytes a token, slightly different numbers")
+    flags.add_speed(p)
     p.add_argument("--compile", action="store_true",
                    help="decode compiled, --speculative's forwards too: on the CPU through the C++ decode kernel "
                         "(every family), elsewhere through torch.compile graphs, after compiling for seconds")
@@ -84,8 +82,7 @@ def main(args: argparse.Namespace) -> int:
         ids = tokenizer.encode(args.prompt, special=True) if args.prompt else [loaded.start_token]
     model = loaded.model.to(device, flags.dtype(args)).eval()
     model = decode_layout(model)  # inference only: the order batch-1 decoding reads fastest
-    if args.quantize == "int8":
-        quantize_int8(model)
+    flags.speed_up(args, model)
     if args.compile:
         compile_decode(model)
     if args.prompt and not ids:
@@ -116,6 +113,7 @@ def main(args: argparse.Namespace) -> int:
 
 def check_flags(args: argparse.Namespace) -> None:
     """The flags' values that need no model, checked before it is loaded."""
+    flags.check_threads(args)
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     check_sampling(args.temperature, args.top_k, args.top_p, flags=True)

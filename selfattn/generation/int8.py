@@ -63,6 +63,11 @@ class Int8Linear(nn.Module):
             y = y + self.bias.to(y.dtype)
         return y.view(*x.shape[:-1], self.out_features)
 
+    def dequantized(self) -> Tensor:
+        """The weight ``scale · q`` ``(out, in)`` in float32, as the many-row products use it (the loss of
+        a quantized head: :meth:`selfattn.model.GPT.forward`)."""
+        return self.q.float() * self.scale[:, None]
+
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
                 f"int8, kernel={self.kernel!r}")

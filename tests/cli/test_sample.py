@@ -9,7 +9,7 @@ import torch
 
 from selfattn.cli import main
 from selfattn.cli import sample as sample_cli
-from selfattn.generation import compile_decode, compiled, generate
+from selfattn.generation import compile_decode, compiled, generate, int8
 from selfattn.generation.compiled import compiled_of
 from selfattn.generation.int8 import quantize_int8
 from selfattn.generation.text import new_tokens, text_pieces
@@ -161,7 +161,7 @@ def test_sample_from_a_local_gpt2_folder_matches_transformers(tmp_path, monkeypa
 
 def test_quantize_int8_samples_with_the_int8_model(run, monkeypatch):
     quantised = []
-    monkeypatch.setattr(sample_cli, "quantize_int8", lambda model: quantised.append(quantize_int8(model)) or model)
+    monkeypatch.setattr(int8, "quantize_int8", lambda model: quantised.append(quantize_int8(model)) or model)
     text = _sample(monkeypatch, "--ckpt", str(run), "--prompt", "The ", "--max-new-tokens", "30",
                    "--temperature", "0", "--quantize", "int8").text()
     [model] = quantised

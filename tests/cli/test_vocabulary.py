@@ -164,6 +164,32 @@ def test_dtype_casts_the_model_each_command_runs(run, command, dtype, monkeypatc
         assert f"on cpu in {dtype or 'float32'}" in out.splitlines()[0]
 
 
+@pytest.mark.parametrize("command", ["sample", "eval"])
+def test_quantize_and_threads_reach_the_model_each_command_runs(run, command, monkeypatch, capsys):
+    import selfattn.cli.eval
+    import selfattn.cli.sample
+    from selfattn.generation.int8 import Int8Linear
+
+    module, name = {"sample": (selfattn.cli.sample, "new_tokens"), "eval": (selfattn.cli.eval, "perplexity")}[command]
+    real, seen = getattr(module, name), []
+    monkeypatch.setattr(module, name, lambda model, *a, **k: seen.append(
+        (sum(isinstance(m, Int8Linear) for m in model.modules()), torch.get_num_threads())) or real(model, *a, **k))
+    rest = {"sample": ["--prompt", "the", "--max-new-tokens", "4"], "eval": ["--data", str(run / "text.txt")]}[command]
+    threads = torch.get_num_threads()
+    try:
+        assert main([command, "--ckpt", str(run / "run"), *rest, "--quantize", "int8", "--threads", "1"]) == 0
+        assert seen[-1][0] > 0 and seen[-1][1] == 1  # int8 layers, one thread
+        if command == "eval":
+            assert capsys.readouterr().out.splitlines()[0].endswith("in float32, weights int8")
+        torch.set_num_threads(threads)
+        assert main([command, "--ckpt", str(run / "run"), *rest]) == 0
+        assert seen[-1] == (0, threads)  # the negative control: neither flag, neither change
+    finally:
+        torch.set_num_threads(threads)
+    assert main([command, "--ckpt", str(run / "run"), *rest, "--threads", "0"]) == 2
+    assert "--threads must be >= 1, got 0" in capsys.readouterr().err
+
+
 def test_check_refuses_a_dtype_without_a_model(capsys):
     assert main(["check", "--dtype", "bfloat16"]) == 2
     assert "--dtype bfloat16 is the dtype of --ckpt's model" in capsys.readouterr().err

@@ -88,6 +88,19 @@ def test_a_quantised_gpt_decodes_as_its_forward_and_near_the_float_model(variant
     assert tokens.shape == (2, 6)
 
 
+@pytest.mark.parametrize("tied", [True, False])
+def test_a_quantised_gpt_scores_targets_as_the_cross_entropy_of_its_logits(tied):
+    model = quantize_int8(scrambled(small(tie_embeddings=tied, logit_softcap=20.0)).eval())
+    idx = torch.randint(0, model.config.vocab_size, (4, 20))  # 80 rows: the dequantised weight's products
+    targets = torch.randint(0, model.config.vocab_size, (4, 20))
+    targets[0, :5] = -100
+    with torch.no_grad():
+        logits, _ = model(idx)
+        _, loss = model(idx, targets)
+    expected = nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
+
+
 def test_quantize_refuses_what_is_not_a_module():
     with pytest.raises(TypeError, match="quantize_int8 expects a torch module, got str"):
         quantize_int8("model")
