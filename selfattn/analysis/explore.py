@@ -12,7 +12,10 @@ Content-Security-Policy forbids every fetch. It shows
   sortable table, the top heads per role marked, a score the input leaves undefined as n/a
   (induction on "hello", whose only repeat is adjacent); a row opens its head;
 - predictions: at every position the model's top-5 next tokens with their probabilities,
-  and the loss of the actual next token.
+  and the loss of the actual next token;
+- depends on: for the token predicted after the last position, the share of its logit each head
+  and each input position restores when patched from the input into a corrupted one
+  (:mod:`selfattn.analysis.depends`).
 
 Weights come from :func:`~selfattn.analysis.heads.capture` during one forward pass. Only the
 causal triangle is stored, one byte per weight (:func:`quantise`): code 0 is exactly zero,
@@ -36,6 +39,7 @@ import torch
 from torch import Tensor
 
 from selfattn._util import files as _files
+from selfattn.analysis import depends
 from selfattn.analysis.heads import UNDEFINED, capture, head_scores, rank_heads
 from selfattn.model import GPT
 
@@ -56,12 +60,16 @@ class Page:
     max_error: float  # measured max |drawn weight - captured weight|, at most QUANT_ERROR
 
 
-def explore(model: GPT, tokens, path: str | os.PathLike, *, tokenizer=None, title: str | None = None) -> Page:
+def explore(model: GPT, tokens, path: str | os.PathLike, *, tokenizer=None, title: str | None = None,
+            corrupt=None) -> Page:
     """Write the attention page of ``model`` reading ``tokens`` to ``path`` (one HTML file).
 
     tokens: token ids, a list or a tensor ``(T,)`` or ``(1, T)``, 2 <= T <= block_size.
     tokenizer: anything with ``token_bytes(id)`` (the byte tokenizer, a BPE); without one,
         tokens are shown as their ids.
+    corrupt: the corrupted input "depends on" patches into, as many tokens as ``tokens``; None: the
+        tokens shuffled (:mod:`selfattn.analysis.depends`; inputs longer than ``depends.MAX_TOKENS``
+        go without that section).
     The page is written atomically once it is ready, and the missing folders of ``path`` with
     it: a failure leaves no half page and no folder made here.
     The model runs once in eval mode (its train/eval mode is restored after).
@@ -69,7 +77,12 @@ def explore(model: GPT, tokens, path: str | os.PathLike, *, tokenizer=None, titl
     if not isinstance(model, GPT):
         raise TypeError(f"explore expects a selfattn GPT, got {type(model).__name__}")
     idx = _check_tokens(tokens, model.config)
+    corrupt = None if corrupt is None else _check_tokens(corrupt, model.config)
+    if corrupt is not None and corrupt.shape != idx.shape:
+        raise ValueError(f"the corrupted input must be as many tokens as the input, {idx.shape[0]}; got "
+                         f"{corrupt.shape[0]}")
     att, logits = _forward(model, idx)  # (L, H, T, T), (T, V)
+    depends_on = _depends(model, idx, corrupt)
     L, H, T, _ = att.shape
     rows, cols = torch.tril_indices(T, T)
     triangle = att[:, :, rows, cols].double()  # (L, H, T(T+1)/2): row after row
@@ -78,6 +91,8 @@ def explore(model: GPT, tokens, path: str | os.PathLike, *, tokenizer=None, titl
     repeats = bool((idx[:, None] == idx[None, :]).tril(-1).any())
     scores = head_scores(att[:, None], idx[None] if repeats else None)  # name -> (L, H)
     predictions, shown = _predictions(logits, idx)
+    if depends_on.get("corrupt_tokens"):
+        shown |= set(depends_on["corrupt_tokens"]) | {depends_on["token"]}
     html = _fill({
         "title": title or f"{type(model).__name__}: {L} layers x {H} heads",
         "layers": L, "heads": H, "T": T, "tokens": idx.tolist(),
@@ -89,6 +104,7 @@ def explore(model: GPT, tokens, path: str | os.PathLike, *, tokenizer=None, titl
         "undefined": {name: UNDEFINED[name] for name, s in scores.items() if s.isnan().all()},
         "top": {role: [[l, h] for l, h, _ in top] for role, top in rank_heads(scores, TOP_HEADS)},
         "predictions": predictions,
+        "depends": depends_on,
     })
     path = Path(path)
     _write(path, html)  # ASCII only: the same bytes in any locale
@@ -171,6 +187,18 @@ def _forward(model: GPT, idx: Tensor) -> tuple[Tensor, Tensor]:
     if att.triu(1).any():
         raise ValueError("the captured weights attend to future keys; the page shows causal attention only")
     return att, logits
+
+
+def _depends(model: GPT, idx: Tensor, corrupt: Tensor | None) -> dict:
+    """:func:`selfattn.analysis.depends.depends_on` in eval mode (the mode restored after), or why not."""
+    if idx.shape[0] > depends.MAX_TOKENS:
+        return {"why": f"left out: the input is {idx.shape[0]} tokens, and the page patches inputs of at most "
+                       f"{depends.MAX_TOKENS}"}
+    was = model.training
+    try:
+        return depends.depends_on(model.eval(), idx, corrupt)
+    finally:
+        model.train(was)
 
 
 def _predictions(logits: Tensor, idx: Tensor) -> tuple[dict, set[int]]:

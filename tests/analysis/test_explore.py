@@ -293,6 +293,25 @@ def test_predictions_are_the_models_top_tokens_and_losses(page, shown):
     assert page.evaluate(SELECTED) == [9]
 
 
+def test_depends_on_shows_each_heads_and_positions_share_and_opens_a_head(browser, shown, tmp_path):
+    _, model, tokens, _ = shown
+    assert "at most 32" in page_data(shown[0])["depends"]["why"]  # the module's page is longer than it patches
+    tokens, path = tokens[:24], tmp_path / "short.html"  # a prompt's length
+    explore(model, tokens, path, tokenizer=ByteTokenizer())
+    page, data = browser.open(path), page_data(path)["depends"]
+    L, H = model.config.n_layer, model.config.n_head
+    assert data["token"] == int(model(tokens[None])[0][0, -1].argmax())  # the model's prediction after the text
+    cells = page.evaluate(js_list("#dep-heads td", "[+e.dataset.layer, +e.dataset.head, e.textContent]"))
+    assert [(l, h) for l, h, _ in cells] == [(l, h) for l in range(L) for h in range(H)]
+    assert [float(v) for *_, v in cells] == pytest.approx([v for row in data["heads"] for v in row], abs=0.005)
+    chips = page.evaluate(js_list("#dep-positions .chip", "[+e.dataset.pos, +e.dataset.value]"))
+    assert chips == [[i, v] for i, v in enumerate(data["positions"])] and len(chips) == len(tokens)
+    best = max(((l, h) for l in range(L) for h in range(H)), key=lambda lh: data["heads"][lh[0]][lh[1]])
+    page.click(f"#dep-heads td[data-layer='{best[0]}'][data-head='{best[1]}']")
+    assert page.inner_text("#hv-title") == f"Head view: layer {best[0]}, head {best[1]}"
+    assert "the model predicts" in page.inner_text("#dep-legend")
+
+
 def test_no_request_leaves_the_page(browser, page, shown):
     page.keyboard.press("ArrowUp")
     page.hover("#kcol .tok[data-pos='4']")
@@ -396,6 +415,12 @@ def test_explore_command_on_a_run_and_on_a_gpt2_folder(tmp_path, capsys, monkeyp
     assert capsys.readouterr().err == (f"selfattn explore: error: --out {str(tmp_path / 'pages')!r} is a folder: "
                                        f"name the page to write, e.g. --out {tmp_path / 'pages' / 'explore.html'}\n")
     assert cli(["explore", "--ckpt", run, "--random-tokens", "32", "--out", str(out)]) == 0  # control: the limit itself
+    assert cli(["explore", "--ckpt", run, "--corrupt", "hello", "--out", str(out)]) == 2
+    assert "--corrupt is a corrupted --text: give --text too" in capsys.readouterr().err
+    assert cli(["explore", "--ckpt", run, "--text", "hello", "--corrupt", "hi", "--out", str(out)]) == 2
+    assert "--corrupt is 2 tokens and --text 5" in capsys.readouterr().err
+    assert cli(["explore", "--ckpt", run, "--text", "hello", "--corrupt", "jello", "--out", str(out)]) == 0
+    assert page_data(out)["depends"]["corrupt_tokens"] == list(b"jello")
 
 
 def test_a_failed_explore_leaves_no_folder_it_made(tmp_path, capsys, monkeypatch):
