@@ -7,7 +7,8 @@ Any model ``--ckpt`` reads (a run, a checkpoint, a transformers folder, a GGUF f
 Requests join the running batch at the next step and leave when done: up to ``--max-batch`` decode
 together, ``--queue`` more wait, and past that a request gets 503. A greedy answer is token for token
 the one ``selfattn sample --chat TEXT --temperature 0`` prints. SIGTERM or Ctrl-C lets the requests
-in flight finish (30 s at most) and exits 0. The model runs on ``--device`` in ``--dtype``.
+in flight finish (30 s at most) and exits 0. The model runs on ``--device`` in ``--dtype``
+(``--quantize int8``: on weight-only int8; ``--threads N``: on N threads).
 ``docs/serve.md`` has examples and the design.
 """
 from __future__ import annotations
@@ -25,6 +26,7 @@ EXAMPLE = "selfattn serve --ckpt runs/tiny --port 8000 --max-batch 4"
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     flags.add_model(p)
+    flags.add_speed(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     p.add_argument("--port", type=int, default=8000, metavar="N", help="port to listen on (0: a free one, printed)")
     p.add_argument("--max-batch", type=int, default=8, metavar="N", help=f"rows decoded together (1..{FEW})")
@@ -37,6 +39,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     if not 1 <= args.max_batch <= FEW:
         raise ValueError(f"--max-batch must be in 1..{FEW}, got {args.max_batch}")
+    flags.check_threads(args)
     if args.queue < 0:
         raise ValueError(f"--queue must be >= 0, got {args.queue}")
     if args.api_key is not None and not args.api_key:
@@ -54,7 +57,8 @@ def main(args: argparse.Namespace) -> int:
         loaded.require_tokenizer()
         path = Path(args.ckpt)
         name = path.stem if path.is_file() else path.resolve().name
-        engine = Engine(loaded.model.to(device, flags.dtype(args)), max_batch=args.max_batch, queue=args.queue)
+        model = flags.speed_up(args, loaded.model.to(device, flags.dtype(args)))
+        engine = Engine(model, max_batch=args.max_batch, queue=args.queue)
         app = create_app(loaded, engine, name=name, api_key=args.api_key)
         host, port = sock.getsockname()[:2]
         print(f"selfattn serve: {name} on http://{host}:{port}/v1 (max batch {args.max_batch}, queue {args.queue}); "

@@ -199,12 +199,13 @@ def test_dtype_casts_the_model_serve_batches(run, monkeypatch, capsys):
     pytest.importorskip("fastapi")
     import selfattn.serve.engine
     import selfattn.serve.server
+    from selfattn.generation.int8 import Int8Linear
 
     seen = []
 
     class Engine(selfattn.serve.engine.Engine):
         def __init__(self, model, **kw):
-            seen.append(next(model.parameters()).dtype)
+            seen.append(model)
             super().__init__(model, **kw)
 
     class Server:  # the command's whole path, up to answering requests
@@ -217,6 +218,7 @@ def test_dtype_casts_the_model_serve_batches(run, monkeypatch, capsys):
     monkeypatch.setattr(selfattn.serve.engine, "Engine", Engine)
     monkeypatch.setattr(selfattn.serve.server, "server", Server)
     assert main(["serve", "--ckpt", str(run / "run"), "--port", "0", "--device", "cpu", "--dtype", "bfloat16"]) == 0
-    assert seen == [torch.bfloat16]
     assert main(["serve", "--ckpt", str(run / "run"), "--port", "0", "--device", "cpu"]) == 0
-    assert seen == [torch.bfloat16, torch.float32]  # control: float32 by default
+    assert [m.lm_head.weight.dtype for m in seen] == [torch.bfloat16, torch.float32]  # control: float32 by default
+    assert main(["serve", "--ckpt", str(run / "run"), "--port", "0", "--quantize", "int8"]) == 0
+    assert isinstance(seen[-1].lm_head, Int8Linear) and not isinstance(seen[0].lm_head, Int8Linear)

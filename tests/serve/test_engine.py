@@ -6,6 +6,7 @@ import dataclasses
 import pytest
 import torch
 
+from selfattn.generation.int8 import Int8Linear, quantize_int8
 from selfattn.generation.layout import FEW
 from selfattn.serve import rows
 from selfattn.serve.engine import Busy, Engine
@@ -58,6 +59,22 @@ def test_rows_joining_and_leaving_compute_what_each_prompt_computes_alone(varian
         assert isinstance(finished, Finished)
         assert finished.reason == ("stop" if collector.tokens[-1] == EOS else "length")
     assert engine.stats.most_rows == 4 and engine.stats.row_steps > engine.stats.steps  # rows did run together
+
+
+def test_an_int8_model_serves_rows_as_each_prompt_decodes_alone():  # selfattn serve --quantize int8
+    loaded = tiny(**VARIANTS["llama-shaped"])
+    engine = Engine(quantize_int8(loaded.model), max_batch=4, queue=8)
+    engine.start()
+    try:
+        prompts = [chat_ids(loaded, q) for q in QUESTIONS]
+        collectors = _staggered(engine, loaded, prompts, 24)
+    finally:
+        assert engine.stop()
+    modules = list(engine.model.modules())
+    assert isinstance(engine.model.lm_head, Int8Linear) and not any(isinstance(m, torch.nn.Linear) for m in modules)
+    for ids, collector in zip(prompts, collectors):
+        assert collector.tokens == solo(engine.model, ids, 24)
+    assert engine.stats.most_rows == 4
 
 
 def test_seeded_sampling_draws_what_generate_draws_alone():
