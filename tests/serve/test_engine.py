@@ -43,16 +43,21 @@ def _staggered(engine: Engine, loaded, prompts: list[list[int]], n: int, **sampl
     return [c.wait() for c in collectors]
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
-def test_rows_joining_and_leaving_compute_what_each_prompt_computes_alone(variant):
-    loaded = tiny(**VARIANTS[variant])
-    engine = Engine(loaded.model, max_batch=4, queue=8)
+def _served(loaded, model) -> tuple[Engine, list[list[int]], list[Collector]]:
+    """QUESTIONS served by an engine of ``model`` (4 rows), staggered: (the engine, the prompts, their answers)."""
+    engine = Engine(model, max_batch=4, queue=8)
     engine.start()
     try:
         prompts = [chat_ids(loaded, q) for q in QUESTIONS]
-        collectors = _staggered(engine, loaded, prompts, 24)
+        return engine, prompts, _staggered(engine, loaded, prompts, 24)
     finally:
         assert engine.stop()
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_rows_joining_and_leaving_compute_what_each_prompt_computes_alone(variant):
+    loaded = tiny(**VARIANTS[variant])
+    engine, prompts, collectors = _served(loaded, loaded.model)
     for ids, collector in zip(prompts, collectors):
         assert collector.tokens == solo(engine.model, ids, 24)
         finished = collector.events[-1]
@@ -63,13 +68,7 @@ def test_rows_joining_and_leaving_compute_what_each_prompt_computes_alone(varian
 
 def test_an_int8_model_serves_rows_as_each_prompt_decodes_alone():  # selfattn serve --quantize int8
     loaded = tiny(**VARIANTS["llama-shaped"])
-    engine = Engine(quantize_int8(loaded.model), max_batch=4, queue=8)
-    engine.start()
-    try:
-        prompts = [chat_ids(loaded, q) for q in QUESTIONS]
-        collectors = _staggered(engine, loaded, prompts, 24)
-    finally:
-        assert engine.stop()
+    engine, prompts, collectors = _served(loaded, quantize_int8(loaded.model))
     modules = list(engine.model.modules())
     assert isinstance(engine.model.lm_head, Int8Linear) and not any(isinstance(m, torch.nn.Linear) for m in modules)
     for ids, collector in zip(prompts, collectors):
