@@ -64,9 +64,7 @@ def ablate(model, heads: Iterable, *, mean: dict[str, Tensor] | None = None) -> 
             out[:, :, picked] = fill[name][picked].to(device=z.device, dtype=z.dtype)  # (k, D), every position
         return out
 
-    # keyed by a predicate: the names are this model's own (its layers checked above), so no one-token forward
-    # lists its sites first, as hooks does for names given as text
-    with hooks(model, [(names.__contains__, knock_out)]):
+    with hooks(model, {name: knock_out for name in names}):
         yield
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 
 import torch
@@ -45,12 +46,22 @@ class _Recorder:
         return True
 
 
+# model -> (what its sites follow from, its sites): a model's sites are listed by one forward, once
+_listed: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def sites(model) -> list[str]:
-    """Every site name of ``model``, in the order a forward reaches them (one token, run once)."""
-    model, recorder = _gpt(model), _Recorder()
-    with _installed(model, recorder), torch.no_grad():
-        model(torch.zeros(1, 1, dtype=torch.long, device=model.wte.weight.device))
-    return recorder.names
+    """Every site name of ``model``, in the order a forward reaches them (one token, run once for a model
+    until its config or its modules change)."""
+    model = _gpt(model)
+    shape = (repr(model.config), tuple(type(m) for m in model.modules()))  # what the sites follow from
+    known = _listed.get(model)
+    if known is None or known[0] != shape:
+        recorder = _Recorder()
+        with _installed(model, recorder), torch.no_grad():
+            model(torch.zeros(1, 1, dtype=torch.long, device=model.wte.weight.device))
+        known = _listed[model] = (shape, recorder.names)
+    return list(known[1])
 
 
 @contextlib.contextmanager
