@@ -14,6 +14,7 @@ import shlex
 import sys
 from pathlib import Path
 
+from selfattn._util import progress as _progress
 from selfattn.cli import INTERRUPTED, flags
 from selfattn.config import GPTConfig
 from selfattn.families.writing import ARCHS
@@ -138,7 +139,7 @@ class _Progress:
                   + (f", resuming at step {r['start']}" if r["start"] else ""), flush=True)
             if r["start"] < r["max_steps"]:
                 self.bar = _tqdm()(total=r["max_steps"], initial=r["start"], unit="step", dynamic_ncols=True,
-                                   mininterval=0.5)
+                                   mininterval=0.5, disable=not _progress.enabled())  # eval lines print all the same
         elif kind == "step":
             self.step = r["step"]
             self.bar.set_postfix_str(f"loss {r['loss']:.3f}, {r['tokens_per_s']:,.0f} tok/s", refresh=False)
