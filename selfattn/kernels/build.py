@@ -10,6 +10,7 @@ kernels.
 """
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import subprocess
@@ -46,7 +47,7 @@ def command(isa: str, output: Path) -> list[str]:
 
 def library(isa: str) -> Path:
     """The shared library for ``isa``: from the cache when the same sources, flags and torch built
-    it, else compiled into a temporary beside it and renamed (a concurrent build loses nothing).
+    it, else compiled into a temporary beside it and renamed, one process at a time (the others wait for it).
     Raises ``OSError``, ``RuntimeError`` or ``subprocess.SubprocessError`` (one line) when it cannot."""
     if isa not in FLAGS:
         raise ValueError(f"isa must be one of {', '.join(map(repr, FLAGS))}, got {isa!r}")
@@ -56,14 +57,18 @@ def library(isa: str) -> Path:
     if built.exists():
         return built
     built.parent.mkdir(parents=True, exist_ok=True)
-    tmp = built.with_name(f".{built.name}.tmp-{os.getpid()}")
-    try:
-        done = subprocess.run(command(isa, tmp), capture_output=True, text=True, timeout=TIMEOUT)
-        if done.returncode != 0:
-            errors = [line for line in done.stderr.splitlines() if "error" in line] or done.stderr.splitlines()[-1:]
-            names = " and ".join(s.name for s in SOURCES)
-            raise RuntimeError(f"compiling {names} for {isa} failed: {errors[0] if errors else done.returncode}")
-        os.replace(tmp, built)
-    finally:
-        tmp.unlink(missing_ok=True)
+    with open(built.with_name(f".{built.name}.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # a concurrent process building the same library: wait for its result
+        if built.exists():
+            return built
+        tmp = built.with_name(f".{built.name}.tmp-{os.getpid()}")
+        try:
+            done = subprocess.run(command(isa, tmp), capture_output=True, text=True, timeout=TIMEOUT)
+            if done.returncode != 0:
+                errors = [ln for ln in done.stderr.splitlines() if "error" in ln] or done.stderr.splitlines()[-1:]
+                names = " and ".join(s.name for s in SOURCES)
+                raise RuntimeError(f"compiling {names} for {isa} failed: {errors[0] if errors else done.returncode}")
+            os.replace(tmp, built)
+        finally:
+            tmp.unlink(missing_ok=True)
     return built

@@ -3,7 +3,9 @@ C++ call gives the model's own logits and caches, in every build this CPU runs, 
 compile_decode where it can."""
 import copy
 import dataclasses
+import os
 import re
+import subprocess
 
 import pytest
 import torch
@@ -17,7 +19,7 @@ from selfattn.generation.kernel_step import KernelStep, unsupported
 from selfattn.generation.layout import FEW, RowLinear
 from selfattn.generation.speculative import Speculative
 from selfattn.generation.steps import Steps
-from selfattn.kernels import features, matvec
+from selfattn.kernels import build, features, matvec
 from selfattn.model import GPT
 from tests.helpers.models import assert_same_logits, left_pad, scrambled, small
 
@@ -53,7 +55,16 @@ VARIANTS = {
                         "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}},
 }
 EXPERTS = VARIANTS["gpt-oss"] | {"window": None, "window_layers": None}  # (a windowed model has no graphs)
-BUILDS = [isa for isa in features.instruction_sets() if matvec.failure(isa) is None]
+
+
+def compiles(isa: str) -> bool:
+    """Whether the compiler takes ``isa``'s flags (an old one has no -mavx512bf16): a check that costs
+    milliseconds at collection, where building every set would hold up both workers; the tests build."""
+    cxx = [os.environ.get("CXX", "c++"), *build.FLAGS[isa], "-x", "c++", "-fsyntax-only", "-"]
+    return subprocess.run(cxx, input="", capture_output=True).returncode == 0
+
+
+BUILDS = [isa for isa in features.instruction_sets() if compiles(isa)]
 
 
 def llama(seed: int = 0, **config) -> GPT:

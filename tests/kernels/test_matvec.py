@@ -2,7 +2,11 @@
 baseline) against a float64 product, for every matrix and row dtype and lengths that leave every
 remainder; a row's bits the same alone or among others; gradients; one compiled graph; and a
 machine without a compiler, where it says why and the callers keep PyTorch's kernels."""
+import concurrent.futures
 import re
+import subprocess
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -139,7 +143,12 @@ def test_without_a_compiler_the_kernel_says_why_and_builds_nothing(monkeypatch, 
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
     why = uncached_failure(monkeypatch, tmp_path)
     assert why is not None and "no-such-compiler" in why and "\n" not in why
-    assert not [p for p in tmp_path.rglob("*") if p.is_file()]
+    assert not built_files(tmp_path)
+
+
+def built_files(folder) -> list:
+    """The libraries and temporaries under ``folder`` (a build's lock file is neither)."""
+    return [p for p in folder.rglob("*") if p.is_file() and not p.name.endswith(".lock")]
 
 
 @pytest.mark.slow  # make check leaves it out: one of its heaviest tests
@@ -150,7 +159,7 @@ def test_a_compile_error_is_one_line_naming_the_source(monkeypatch, tmp_path):
     monkeypatch.setattr(build, "SOURCES", (broken, build.SOURCES[1]))
     why = uncached_failure(monkeypatch, tmp_path)
     assert why.startswith(f"compiling matvec.cpp and decode.cpp for {features.best()} failed: ") and "\n" not in why
-    assert not list((tmp_path / "kernels").iterdir())  # no temporary left behind
+    assert not built_files(tmp_path / "kernels")  # no temporary left behind
 
 
 def test_a_build_is_found_again_by_its_hash(monkeypatch):  # control of the two above: here it builds
@@ -161,3 +170,21 @@ def test_a_build_is_found_again_by_its_hash(monkeypatch):  # control of the two 
     assert built.parent == cache / "kernels" and built.name.startswith(f"matvec-{features.best()}-")
     before = built.stat().st_mtime_ns
     assert build.library(features.best()) == built and built.stat().st_mtime_ns == before  # not rebuilt
+
+
+def test_processes_building_one_library_at_once_compile_it_once(monkeypatch, tmp_path):
+    monkeypatch.setenv("SELFATTN_CACHE_DIR", str(tmp_path))
+    compiles = []
+
+    def compiler(cmd, **kwargs):  # slow enough that the second caller arrives while the first compiles
+        compiles.append(cmd)
+        time.sleep(0.3)
+        Path(cmd[cmd.index("-o") + 1]).write_bytes(b"library")
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(build.subprocess, "run", compiler)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:  # a flock per open file: threads wait as processes do
+        paths = list(pool.map(build.library, ["baseline", "baseline"]))
+    assert paths[0] == paths[1] and paths[0].read_bytes() == b"library" and len(compiles) == 1
+    paths[0].unlink()  # control: with the library gone, the next caller compiles it again
+    assert build.library("baseline") == paths[0] and len(compiles) == 2
