@@ -1,12 +1,15 @@
 """Attribution patching: each estimate is the derivative of the metric along the patch, d/dα metric(corrupt + α·(clean
 - corrupt)) at α = 0, taken by autograd through a plain hooked forward (float64, within 1e-10 relative); AtP*'s QK
 fix is the pattern's gradient times the exact change of the pattern; Spearman's rank correlation by hand."""
+import copy
+
 import pytest
 import torch
 
 from selfattn.interp import attribution_patch, hooks, logit_diff, patch, rank_correlation, run_with_cache
 from selfattn.interp.patching import BY, SITES
 
+from helpers.families import tokens
 from helpers.models import VARIANTS, scrambled, small
 
 
@@ -54,6 +57,24 @@ def test_each_estimate_is_the_derivative_along_its_patch(case, site):
             worst = max(worst, error)
             assert error < 1e-10, (by, index, ours[index].item(), expected.item())
     print(f"{site}: largest relative difference from autograd along the patch {worst:.1e}")
+
+
+def test_the_estimates_are_the_derivatives_on_the_real_models(real):
+    name, _, model = real
+    model = copy.deepcopy(model).double()
+    clean_ids, corrupt_ids = tokens(1, 6, 1), tokens(1, 6, 2)
+    metric = logit_diff(3, 7)
+    _, clean = run_with_cache(model, clean_ids)
+    L, H = len(model.blocks), model.config.n_head
+    worst = 0.0
+    for site, by, indices in [("z", "head", [(1, 2), (L - 1, H - 1)]), ("resid_pre", "position", [(L // 2, 3)])]:
+        ours = attribution_patch(model, clean_ids, corrupt_ids, metric, site=site, by=by)
+        for index in indices:
+            alpha = torch.zeros((), dtype=torch.float64, requires_grad=True)
+            expected, = torch.autograd.grad(along(model, corrupt_ids, clean, metric, site, by, index, alpha), alpha)
+            worst = max(worst, ((ours[index] - expected).abs() / expected.abs().clamp(min=1e-3)).item())
+    print(f"{name}: largest relative difference from autograd along the patch {worst:.1e}")
+    assert worst < 1e-10
 
 
 def test_the_derivative_is_the_first_order_of_patching(case):

@@ -1,6 +1,7 @@
 """Activation patching: each batched patch, started from the cached residual at its layer, equals a plain forward
 with that one patch (float64, within 1e-10) on every site and grouping; TransformerLens 4.3's ``patching`` gives the
-same values on the same folder (float32, within 1e-4 of the largest), GPT-2 and a grouped-query Llama."""
+same values on the same folder (float32, within 1e-4 of the largest), GPT-2 and a grouped-query Llama, and the two
+real models (SmolLM2's 30 layers of 9 heads over 3 KV heads, Gemma 3's 18 of 4 over 1)."""
 import itertools
 
 import pytest
@@ -126,23 +127,40 @@ TL = {"get_act_patch_resid_pre": ("resid_pre", "position"), "get_act_patch_resid
 @pytest.mark.slow  # make check leaves it out: TransformerLens boots each family
 @pytest.mark.parametrize("case", ["gpt2", "llama-llama3-rope"])  # the Llama is grouped-query: 4 heads, 2 KV heads
 def test_patching_equals_transformer_lens(case, tmp_path):
-    from interp.test_transformer_lens import bridge
-    from transformer_lens import patching
-
     from selfattn.io import loading
 
     if case == "gpt2":
         gpt2_folder(tmp_path, n_layer=2, n_head=4, n_embd=64)
     else:
         build(case).save_pretrained(tmp_path)
-    ours, theirs = loading.load(tmp_path).model.eval(), bridge(tmp_path)
+    worst = agrees_with_transformer_lens(loading.load(tmp_path).model.eval(), tmp_path, TL)
+    print(f"{case}: {len(TL)} of TransformerLens's patching functions, largest difference {worst:.1e} of the largest")
+
+
+# the sweeps over every head (one forward each in TransformerLens) and over positions, k by KV head
+REAL = ["get_act_patch_attn_head_out_all_pos", "get_act_patch_attn_head_k_all_pos", "get_act_patch_resid_pre"]
+
+
+def test_patching_equals_transformer_lens_on_the_real_models(real):
+    name, folder, ours = real
+    worst = agrees_with_transformer_lens(ours, folder, {f: TL[f] for f in REAL})
+    print(f"{name}: {', '.join(REAL)}: largest difference {worst:.1e} of the largest")
+
+
+def agrees_with_transformer_lens(ours, folder, functions: dict) -> float:
+    """Asserts that each of TransformerLens's patching ``functions`` (name -> our site and grouping) on
+    ``folder`` gives our ``patch``'s values within 1e-4 of the largest; returns the largest difference."""
+    from interp.test_transformer_lens import bridge
+    from transformer_lens import patching
+
+    theirs = bridge(folder)
     clean_ids, corrupt_ids = tokens(2, 5, 1), tokens(2, 5, 2)
     metric = logit_diff(torch.tensor([3, 5]), 7)  # over the leading axes: a scalar for their (B, T, V)
     with torch.no_grad():
         _, cache = run_with_cache(ours, clean_ids)
         _, their_cache = theirs.run_with_cache(clean_ids)
     worst = 0.0
-    for function, (site, by) in TL.items():
+    for function, (site, by) in functions.items():
         with torch.no_grad():
             expected = getattr(patching, function)(theirs, corrupt_ids, their_cache, metric)
         got = patch(ours, corrupt_ids, cache, metric, site=site, by=by)
@@ -151,4 +169,4 @@ def test_patching_equals_transformer_lens(case, tmp_path):
         error = ((got - expected).abs().amax() / expected.abs().amax().clamp(min=1)).item()
         worst = max(worst, error)
         assert error < 1e-4, function
-    print(f"{case}: {len(TL)} of TransformerLens's patching functions, largest difference {worst:.1e} of the largest")
+    return worst
