@@ -153,7 +153,8 @@ class MoE(nn.Module):
     def forward(self, x: Tensor, tap: Tap | None = None) -> Tensor:
         B, T, C = x.shape
         tokens = x.reshape(B * T, C)  # (N, C)
-        top, experts = self.router(tokens).topk(self.top_k, dim=-1)  # (N, k) logits and expert ids
+        logits = self.router(tokens) if tap is None else tap("hook_router_logits", self.router(tokens))  # (N, E)
+        top, experts = logits.topk(self.top_k, dim=-1)  # (N, k) logits and expert ids
         weights = top.softmax(dim=-1)  # (N, k)
         if tap is not None:  # the routing as TransformerLens shows it: (N, E) weights, 0 off the top k; (N, k) ids
             routed = tap("hook_expert_weights", weights.new_zeros(B * T, self.router.out_features).scatter(

@@ -12,7 +12,7 @@ from helpers.models import scrambled, small
 # sites the model computes only to show them (each head's write, the explicit scores and pattern beside a
 # fused backend, a norm's statistics): a replacement of any must still reach the logits
 SHOWN = ("attn.hook_result", "attn.hook_attn_scores", "attn.hook_pattern", "ln1.hook_scale", "ln1.hook_normalized",
-         "attn.q_norm.hook_scale", "mlp.hook_expert_weights", "ln_final.hook_normalized")
+         "attn.q_norm.hook_scale", "mlp.hook_router_logits", "mlp.hook_expert_weights", "ln_final.hook_normalized")
 
 
 def test_an_identity_hook_on_every_site_leaves_the_logits_bitwise_equal(family):
@@ -51,6 +51,24 @@ def test_an_in_place_edit_counts_as_a_replacement():
         expected = model(idx)[0]
         with hooks(model, {"blocks.0.attn.hook_result": scale}):
             assert not torch.equal(model(idx)[0], expected)
+
+
+def test_replaced_router_logits_route_each_token_to_the_experts_they_favour():
+    model = scrambled(small(mlp_kind="moe", n_experts=4, experts_per_token=2, n_kv_head=2))
+    idx = torch.randint(0, 61, (2, 7))
+    favour = torch.tensor([0.0, 5.0, 0.0, 4.0])  # experts 1 and 3 above the others
+
+    def route(logits, name):
+        return logits + 100 * favour
+
+    with torch.no_grad():
+        _, plain = run_with_cache(model, idx, names=lambda n: n.startswith("blocks.0.mlp"))
+        _, routed = run_with_cache(model, idx, names=lambda n: n.startswith("blocks.0.mlp"),
+                                   fwd={"blocks.0.mlp.hook_router_logits": route})
+    assert plain["blocks.0.mlp.hook_router_logits"].shape == (2 * 7, 4)
+    assert torch.equal(routed["blocks.0.mlp.hook_expert_indices"].sort(-1).values, torch.tensor([[1, 3]] * 14))
+    assert not torch.equal(plain["blocks.0.mlp.hook_expert_indices"].sort(-1).values,
+                           torch.tensor([[1, 3]] * 14))  # control: unhooked, the router chooses otherwise
 
 
 def test_a_wrong_site_name_is_refused_naming_the_nearest():
