@@ -9,6 +9,7 @@ from selfattn.analysis.depends import MAX_TOKENS, depends_on, shuffled
 from selfattn.analysis.explore import explore
 from selfattn.interp import hooks, run_with_cache
 
+from helpers.gemma3 import gemma3
 from helpers.models import scrambled, small
 
 
@@ -76,3 +77,16 @@ def test_a_page_of_a_long_input_says_why_it_has_no_such_section(tmp_path):
     assert "heads" not in got and f"at most {MAX_TOKENS}" in got["why"]
     explore(model, torch.randint(0, 61, (MAX_TOKENS,)), tmp_path / "short.html")
     assert len(page_data(tmp_path / "short.html")["depends"]["positions"]) == MAX_TOKENS
+
+
+def test_the_page_of_a_gguf_file_says_what_its_answer_depends_on(tmp_path):
+    from selfattn.cli import main
+
+    page = tmp_path / "page.html"
+    assert main(["explore", "--ckpt", str(gemma3()), "--text", "<bos>The capital of France is",
+                 "--corrupt", "<bos>The capital of Italy is", "--out", str(page)]) == 0
+    got = page_data(page)["depends"]
+    heads = torch.tensor(got["heads"])  # (L, H)
+    assert heads.shape == (18, 4) and heads.argmax() == 12 * 4 + 2  # the recall head of docs/interp.md
+    assert [i for i, share in enumerate(got["positions"]) if share != 0] == [4]  # " France", the one token changed
+    assert got["clean"] > got["corrupt"]

@@ -1,5 +1,6 @@
 """`selfattn lens`: each layer's top tokens are the library's logit lens, the last layer's the model's own greedy
-next token (on a run of ours and on a GPT-2 folder); the heatmap is written; bad positions are one line, exit 2."""
+next token (on a run of ours, a GPT-2 folder and a GGUF file); the heatmap is written; bad positions are one line,
+exit 2."""
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ from selfattn.tokenizers import BPETokenizer
 
 from helpers.gpt2 import gpt2_folder
 from helpers.models import byte_run
+from helpers.smollm2 import smollm2
 
 TEXT = "the cat sat on the mat. the cat"
 
@@ -74,6 +76,13 @@ def test_lens_on_a_gpt2_folder_ends_on_the_greedy_token(tmp_path, capsys, monkey
     label = repr(tokenizer.token_bytes(greedy).decode("utf-8", errors="replace"))
     rows = _rows(out, len(ids) - 1, repr(tokenizer.token_bytes(ids[-1]).decode()))
     assert len(rows) == 2 and rows[-1].startswith(f"  L1   {label} ")
+
+
+def test_lens_on_a_gguf_file_ends_on_the_models_answer(tmp_path, capsys):
+    assert cli(["lens", "--ckpt", str(smollm2()), "--text", "The capital of France is", "--top", "2",
+                "--out", str(tmp_path / "lens.png")]) == 0
+    rows = _rows(capsys.readouterr().out, 4, repr(" is"))
+    assert len(rows) == 30 and rows[-1].startswith("  L29  ' Paris' ") and "' Paris'" not in rows[0]
 
 
 @pytest.mark.parametrize("positions, words", [("-40", "--positions [-40] out of range: the input has 31 tokens"),
