@@ -38,7 +38,7 @@ from selfattn._util import progress
 from selfattn.families import writing
 from selfattn.io.hf import to_hf
 from selfattn.model import GPT
-from selfattn.tokenizers import BPETokenizer, ByteTokenizer
+from selfattn.tokenizers import BPETokenizer, ByteTokenizer, SentencePieceTokenizer
 from selfattn.tokenizers.bpe import bytes_to_unicode, import_tokenizers
 
 EOT = "<|endoftext|>"
@@ -114,6 +114,10 @@ def export(gpt: GPT, tokenizer: ByteTokenizer | BPETokenizer, out_dir: str | os.
     if reasons and family is None:
         raise ValueError("cannot export to transformers' GPT2LMHeadModel: " + "; ".join(reasons) +
                          f"; and no family of {', '.join(writing.ARCHS)} computes this config either")
+    if isinstance(tokenizer, SentencePieceTokenizer):
+        raise ValueError("a transformers folder gets a byte or BPE tokenizer from here, and this model's is "
+                         "SentencePiece (a GGUF file's llama-style vocabulary, as Gemma's): write it as a GGUF file "
+                         "instead (an out path ending in .gguf)")
     if not isinstance(tokenizer, (ByteTokenizer, BPETokenizer)):  # a model loaded without one: architecture first
         raise TypeError(f"export expects a ByteTokenizer or BPETokenizer, got {type(tokenizer).__name__}")
     if tokenizer.vocab_size > gpt.config.vocab_size:

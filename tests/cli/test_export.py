@@ -28,6 +28,7 @@ from selfattn.io.loading import load  # noqa: E402
 from selfattn.tokenizers import BPETokenizer, ByteTokenizer  # noqa: E402
 from selfattn.training import checkpoint  # noqa: E402
 
+from helpers.gemma3 import gemma3  # noqa: E402
 from helpers.gpt2 import gpt2_folder  # noqa: E402
 from helpers.models import assert_same_logits, scrambled  # noqa: E402
 
@@ -186,6 +187,13 @@ def test_configs_gpt2_cannot_express_are_refused_naming_each_field(tmp_path, cap
     assert cli(["export", "--ckpt", str(tmp_path / "rope"), "--out", str(tmp_path / "hf")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "pos='rope': GPT-2 has learned absolute positions only" in err
+    assert not (tmp_path / "hf").exists()
+
+
+def test_a_sentencepiece_model_to_a_folder_is_refused_naming_the_gguf_way(tmp_path, capsys):
+    assert cli(["export", "--ckpt", str(gemma3()), "--out", str(tmp_path / "hf")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "SentencePiece" in err and "ending in .gguf" in err
     assert not (tmp_path / "hf").exists()
 
 
