@@ -96,9 +96,10 @@ def unsupported(config) -> list[str]:
             if not ok(config)]
 
 
-def export(gpt: GPT, tokenizer: ByteTokenizer | BPETokenizer, out_dir: str | os.PathLike, *,
+def export(gpt: GPT, tokenizer: ByteTokenizer | BPETokenizer | SentencePieceTokenizer, out_dir: str | os.PathLike, *,
            force: bool = False, special: Special | None = None) -> Exported:
-    """Write ``gpt`` and ``tokenizer`` to ``out_dir`` as a ``transformers`` model folder.
+    """Write ``gpt`` and ``tokenizer`` to ``out_dir`` as a ``transformers`` model folder (a SentencePiece
+    tokenizer as the BPE of :meth:`~selfattn.tokenizers.SentencePieceTokenizer.to_bpe`, id for id).
 
     ``special``: the source's bos and eos tokens and chat template, written into ``config.json``,
     ``generation_config.json`` and the tokenizer's files; None: a run's own, ``<|endoftext|>`` as
@@ -114,10 +115,8 @@ def export(gpt: GPT, tokenizer: ByteTokenizer | BPETokenizer, out_dir: str | os.
     if reasons and family is None:
         raise ValueError("cannot export to transformers' GPT2LMHeadModel: " + "; ".join(reasons) +
                          f"; and no family of {', '.join(writing.ARCHS)} computes this config either")
-    if isinstance(tokenizer, SentencePieceTokenizer):
-        raise ValueError("a transformers folder gets a byte or BPE tokenizer from here, and this model's is "
-                         "SentencePiece (a GGUF file's llama-style vocabulary, as Gemma's): write it as a GGUF file "
-                         "instead (an out path ending in .gguf)")
+    if isinstance(tokenizer, SentencePieceTokenizer):  # a GGUF file's (Gemma's): tokenizer.json's form of it
+        tokenizer = tokenizer.to_bpe()
     if not isinstance(tokenizer, (ByteTokenizer, BPETokenizer)):  # a model loaded without one: architecture first
         raise TypeError(f"export expects a ByteTokenizer or BPETokenizer, got {type(tokenizer).__name__}")
     if tokenizer.vocab_size > gpt.config.vocab_size:

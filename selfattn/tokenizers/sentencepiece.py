@@ -29,6 +29,8 @@ from __future__ import annotations
 import heapq
 import re
 
+from selfattn.tokenizers.bpe import BPETokenizer, import_tokenizers
+
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, BYTE = 1, 2, 3, 4, 6  # llama.cpp's token types (5: unused)
 SPECIAL = (UNKNOWN, CONTROL, USER_DEFINED)  # cut out of the text before merging, their text their piece
 SPACE = "\u2581"  # ▁, SentencePiece's space
@@ -118,6 +120,68 @@ class SentencePieceTokenizer:
                              f"bos, eos, add_space_prefix; got the keys {sorted(spec)}")
         return cls(spec["tokens"], spec["scores"], spec["types"], bos=spec["bos"], eos=spec["eos"],
                    add_space_prefix=bool(spec["add_space_prefix"]), where=where)
+
+    def to_bpe(self) -> BPETokenizer:
+        """This tokenizer as a :class:`~selfattn.tokenizers.bpe.BPETokenizer` over a ``tokenizers.Tokenizer``
+        (what a ``transformers`` folder's ``tokenizer.json`` holds) that encodes and decodes id for id as
+        this one: a BPE with byte fallback whose merges are the splits of each normal token into two tokens,
+        ranked by the token's score (highest first; then its id, then where it splits), step 2's order in
+        BPE's lowest-rank-first form; the special tokens of step 1 added, unnormalised; spaces become ``▁``
+        (with one put first when ``add_space_prefix``); ``bos`` and ``eos`` put around a prompt as
+        :meth:`encode` puts them with ``special``.
+
+        Two of the rules have no such form, and a vocabulary that needs them is refused (ValueError): two
+        tokens of one score that can meet (step 2 takes the leftmost pair, BPE a fixed rank), and special tokens
+        that overlap where the longest-first cut (step 1) and ``tokenizers``' leftmost-longest match part
+        ways: every overlap of two special tokens is encoded both ways, and must give the same ids."""
+        tokenizers = import_tokenizers()
+        ids, scores = self._ids, self.scores
+        splits = sorted((-scores[i], i, k) for token, i in ids.items() if self.types[i] == NORMAL
+                        for k in range(1, len(token)) if token[:k] in ids and token[k:] in ids)
+        merges = [(self.tokens[i][:k], self.tokens[i][k:]) for _, i, k in splits]
+        self._check_ties(splits, merges)
+        tok = tokenizers.Tokenizer(tokenizers.models.BPE(ids, merges, byte_fallback=True))
+        normalizers, decoders = tokenizers.normalizers, tokenizers.decoders
+        tok.normalizer = normalizers.Sequence([normalizers.Prepend(SPACE)] * self.add_space_prefix
+                                              + [normalizers.Replace(" ", SPACE)])
+        tok.decoder = decoders.Sequence([decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+                                        + [decoders.Strip(" ", 1, 0)] * self.add_space_prefix)
+        tok.add_tokens([tokenizers.AddedToken(text, special=self.types[i] != USER_DEFINED, normalized=False)
+                        for text, i in self._special])
+        around = [(self.tokens[i], i) for i in (self.bos, self.eos) if i is not None]
+        if around:
+            single = " ".join(([self.tokens[self.bos]] if self.bos is not None else []) + ["$A"] +
+                              ([self.tokens[self.eos]] if self.eos is not None else []))
+            tok.post_processor = tokenizers.processors.TemplateProcessing(single=single, special_tokens=around)
+        probe = "a".join(self._overlaps())
+        if tok.encode(probe, add_special_tokens=False).ids != self.encode(probe):
+            raise ValueError(f"{self.where}: special tokens overlap where llama.cpp cuts the longest first and a "
+                             f"tokenizers.Tokenizer the leftmost, so no tokenizer.json tokenizes as it does")
+        return BPETokenizer(tok, self.where)
+
+    def _check_ties(self, splits: list[tuple], merges: list[tuple[str, str]]) -> None:
+        """Refuse two tokens of one score whose pairs can meet, ``x y`` and ``y z`` (``x y z``: llama.cpp merges
+        the left pair, a BPE the pair of the lower rank)."""
+        by_score: dict[float, list[tuple[int, str, str]]] = {}
+        for (score, i, _), (left, right) in zip(splits, merges):
+            by_score.setdefault(score, []).append((i, left, right))
+        for score, pairs in by_score.items():
+            rights = {right: i for i, _, right in pairs}
+            for i, left, _ in pairs:
+                if rights.get(left, i) != i:
+                    first, second = self.tokens[rights[left]], self.tokens[i]
+                    raise ValueError(f"{self.where}: the tokens {first!r} and {second!r} share the score {-score} "
+                                     f"and meet at {left!r}: llama.cpp merges the leftmost pair, a BPE the one of "
+                                     f"the lower rank")
+
+    def _overlaps(self) -> list[str]:
+        """A text for each way two special tokens overlap (one's end the other's start), one token a way."""
+        ending = {}  # a proper suffix of a special token -> that token (the first, longest, with it)
+        for text, _ in self._special:
+            for k in range(1, len(text)):
+                ending.setdefault(text[k:], text)
+        return [ending[text[:k]] + text[k:] for text, _ in self._special for k in range(1, len(text))
+                if text[:k] in ending]
 
     def _check(self, token: int) -> None:
         if not 0 <= token < self.vocab_size:

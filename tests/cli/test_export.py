@@ -190,11 +190,23 @@ def test_configs_gpt2_cannot_express_are_refused_naming_each_field(tmp_path, cap
     assert not (tmp_path / "hf").exists()
 
 
-def test_a_sentencepiece_model_to_a_folder_is_refused_naming_the_gguf_way(tmp_path, capsys):
-    assert cli(["export", "--ckpt", str(gemma3()), "--out", str(tmp_path / "hf")]) == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "SentencePiece" in err and "ending in .gguf" in err
-    assert not (tmp_path / "hf").exists()
+def test_gemma3s_gguf_file_exports_to_a_folder_that_tokenizes_and_computes_as_it(tmp_path, capsys):
+    out = tmp_path / "gemma"
+    assert cli(["export", "--ckpt", str(gemma3()), "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "Gemma3ForCausalLM" in printed and "tokenizer.json" in printed
+    source, back = load(gemma3()), load(out)
+    theirs = transformers.AutoTokenizer.from_pretrained(out)
+    texts = ["The capital of France is", "<start_of_turn>user\nHi  there\n\n<end_of_turn>\n", "ünï 日本 🎉 𓀀"]
+    for text in texts:  # SentencePiece's ids through tokenizer.json: transformers', and ours reading the folder
+        ids = source.tokenizer.encode(text, special=True)
+        assert theirs(text)["input_ids"] == back.tokenizer.encode(text, special=True) == ids, text
+        assert theirs.decode(ids) == source.tokenizer.decode(ids), text
+    assert (back.bos, back.eos) == (source.bos, source.eos)
+    model = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    ids = torch.tensor([source.tokenizer.encode(texts[0], special=True)])
+    with torch.no_grad():
+        assert_same_logits(model(ids).logits, source.model.float().eval()(ids)[0])
 
 
 def test_an_existing_folder_is_replaced_only_with_force(byte_export, tmp_path, capsys):

@@ -2,8 +2,7 @@
 each family on) and a GPT-2, each saved by ``transformers`` and loaded by ``selfattn.io.loading.load``; two training
 runs of a grouped-query Llama-shaped byte model, one fine-tuned whole and one with LoRA adapters (on attention and
 MLP), loaded as runs and exported to a folder; and the two real models (marked ``models``), their GGUF files
-loaded in float32 and exported to a folder of the same weights (with a byte tokenizer: the tests give token ids,
-and Gemma 3's SentencePiece has no folder form here)."""
+loaded in float32 and exported to a folder of the same weights and tokenizer."""
 from pathlib import Path
 
 import pytest
@@ -47,7 +46,7 @@ def _load(name: str, tmp_path_factory) -> tuple:
         elif name.endswith(".gguf"):
             source = loading.load(assets.MODELS[name.removesuffix(".gguf")].path)
             model = source.model.float().eval()
-            export(model, ByteTokenizer(), folder, force=True, special=Special.of(source))
+            export(model, source.require_tokenizer(), folder, force=True, special=Special.of(source))
         else:
             (gpt2_folder(folder, n_layer=2, n_head=4, n_embd=64) if name == "gpt2"
              else build(name).save_pretrained(folder))

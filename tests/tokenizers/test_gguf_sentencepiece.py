@@ -3,7 +3,8 @@ file (262,144 tokens, user-defined runs of spaces and newlines, byte fallback), 
 vocabulary written here whose ids show each rule (score order, leftmost ties, only token pairs merge,
 byte fallback, special tokens cut out first and the longest first, the space put first). llama.cpp's
 ``llama-tokenize`` is the oracle; its pieces check ``token_bytes``; a tokenizer built as
-``transformers`` builds one from the same scores gives other ids (the negative control)."""
+``transformers`` builds one from the same scores gives other ids (the negative control). ``to_bpe``, the form a
+``tokenizer.json`` holds, gives our ids on Gemma 3's vocabulary and refuses one it cannot follow."""
 import json
 from pathlib import Path
 
@@ -150,6 +151,37 @@ def test_a_tokenizer_built_as_transformers_builds_one_gives_other_ids(tmp_path):
     assert theirs.encode("abc xyz").ids == tok.encode("abc xyz") == tokenize(path, "abc xyz", tmp_path, bos=False)
     for text in ("pqr", "tuvw"):  # equal scores (pq, qr); user-defined tokens cut out first
         assert theirs.encode(text).ids != tok.encode(text) == tokenize(path, text, tmp_path, bos=False)
+
+
+def test_gemma3_as_a_bpe_gives_the_same_ids_and_text(ours):
+    bpe = ours.to_bpe()
+    text = CUT.join(TEXTS)
+    assert bpe.encode(text, special=True) == ours.encode(text, special=True)
+    assert bpe.tok.decode(ours.encode(text), skip_special_tokens=False) == ours.decode(ours.encode(text))
+
+
+def without(*texts: str) -> list:
+    """:data:`SMALL` less the tokens ``texts``."""
+    return [token for token in SMALL if token[0] not in texts]
+
+
+@pytest.mark.parametrize("prefix", [False, True], ids=["no-space-prefix", "space-prefix"])
+def test_a_small_vocabulary_as_a_bpe_follows_each_rule(prefix):
+    tokens, types, scores = zip(*without("qr", "tu"))  # no tie of scores, no overlapping special tokens
+    tok = SentencePieceTokenizer(list(tokens), list(scores), list(types), bos=1, eos=2, add_space_prefix=prefix)
+    bpe = tok.to_bpe()
+    for text in [*RULES, "pqr", "abcd abc\naaa<s>xyz", "é  mno"]:
+        assert bpe.encode(text) == tok.encode(text), text
+        assert bpe.encode(text, special=True) == tok.encode(text, special=True), text
+        assert bpe.tok.decode(tok.encode(text), skip_special_tokens=False) == tok.decode(tok.encode(text)), text
+
+
+def test_a_vocabulary_a_bpe_cannot_follow_is_refused():
+    with pytest.raises(ValueError, match=r"the tokens 'pq' and 'qr' share the score -4\.0 and meet at 'q'"):
+        small(False).to_bpe()
+    tokens, types, scores = zip(*without("qr"))  # "tu" and "uvw" overlap: "tuvw" is cut t uvw, not tu vw
+    with pytest.raises(ValueError, match="special tokens overlap"):
+        SentencePieceTokenizer(list(tokens), list(scores), list(types)).to_bpe()
 
 
 def test_the_spec_gives_the_same_tokenizer_back():
