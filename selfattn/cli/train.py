@@ -77,13 +77,13 @@ def _train(args: argparse.Namespace) -> int:
     model_flags, train_flags = flags.given(args, GPTConfig), flags.given(args, TrainConfig)  # before any folder
     out = Path(getattr(args, "out", None) or f"runs/{args.preset or 'default'}")
     with lock.hold(out):  # before the configs are read: another run may be saving (and pruning) there
-        model_cfg, train_cfg, resume_from = resolve_configs(
+        model_cfg, train_cfg, resume_from, source = resolve_configs(
             out, preset=args.preset, config=args.config, resume=args.resume, arch=args.arch,
             model_flags=model_flags, train_flags=train_flags)
         progress = _Progress()
         try:
             with progress:  # the bar is closed before anything else is printed
-                result = train(model_cfg, train_cfg, out, resume_from=resume_from, on_event=progress,
+                result = train(model_cfg, train_cfg, out, resume_from=resume_from, on_event=progress, source=source,
                                **flags.base_of(args))
             parallel.barrier()  # every rank is done before any tears the process group down
             if parallel.rank() == 0:

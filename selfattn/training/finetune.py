@@ -30,14 +30,31 @@ class Start:
     meta: dict  # what every checkpoint keeps of the source: "special" (its special tokens), "lora" (settings, base)
 
 
+class Source:
+    """The model ``--init-from`` names, loaded once: :func:`~selfattn.training.resume.resolve_configs` reads
+    its config, the run takes it (:meth:`take` hands it over once and forgets it, so that whoever still holds
+    this keeps no weights alive while the run trains)."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.loaded: Loaded | None = source(path)  # None once taken
+
+    def take(self) -> Loaded:
+        loaded, self.loaded = self.loaded, None
+        if loaded is None:
+            raise ValueError(f"the source {self.path!r} was taken already: a Source serves one run")
+        return loaded
+
+
 def begin(init_from: str, config: GPTConfig, adapters: dict | None, saved: dict | None,
-          base: str | os.PathLike | None = None) -> Start:
+          base: str | os.PathLike | None = None, given: Source | None = None) -> Start:
     """The model a run fine-tunes: the source ``init_from`` carried into ``config``, and for LoRA
     (``adapters``: :func:`selfattn.lora.add_lora`'s rank, alpha, dropout, mlp) adapters on it, drawn
     from the torch RNG. ``saved``: the meta of the checkpoint a run resumes from (None: a new run); a
     full fine-tune then takes every weight from the checkpoint and needs no source, a LoRA run loads
     its base again (from ``base`` when it moved there) and refuses one whose digest is not the one its
-    adapters were trained on."""
+    adapters were trained on. ``given``: the source of ``init_from`` already loaded (a new run's), taken
+    here; None: loaded here."""
     if base is not None and (saved is None or adapters is None):
         raise ValueError("--base gives a LoRA run's moved base model when it resumes: pass it with --resume, for a "
                          "run trained with --lora-rank")
@@ -51,7 +68,7 @@ def begin(init_from: str, config: GPTConfig, adapters: dict | None, saved: dict 
             raise ValueError(f"--base {path!r} does not exist")
         raise ValueError(f"the base model of this LoRA run, {path!r}, does not exist (moved?); give its new place "
                          f"with --base PATH")
-    loaded = source(path)
+    loaded = given.take() if given is not None and saved is None and given.path == path else source(path)
     model = start_from(loaded, config, path)
     meta = {"special": special_of(loaded)}
     if adapters is not None:

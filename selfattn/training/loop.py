@@ -72,7 +72,8 @@ OnEvent = Callable[[str, dict], None]
 
 
 def train(model_cfg: GPTConfig, cfg: TrainConfig, out: str | os.PathLike, *, resume_from: Path | None = None,
-          on_event: OnEvent | None = None, base: str | os.PathLike | None = None) -> TrainResult:
+          on_event: OnEvent | None = None, base: str | os.PathLike | None = None,
+          source: finetune.Source | None = None) -> TrainResult:
     """Train a model of ``model_cfg`` as ``cfg`` says, in the run folder ``out``.
 
     Args:
@@ -85,6 +86,8 @@ def train(model_cfg: GPTConfig, cfg: TrainConfig, out: str | os.PathLike, *, res
         on_event: called on rank 0 with each event, ``on_event(kind, record)`` (:data:`OnEvent`).
         base: a resumed LoRA run's base model at its new place, when it moved (its digest is checked);
             None: where the run names it.
+        source: ``cfg.init_from``'s model as :func:`~selfattn.training.resume.resolve_configs` loaded it,
+            taken by the run (so the file is read once); None: loaded here.
 
     Returns:
         a :class:`TrainResult`: the run folder, its last step, the steps this call ran, the last
@@ -93,11 +96,11 @@ def train(model_cfg: GPTConfig, cfg: TrainConfig, out: str | os.PathLike, *, res
     Raises :class:`Diverged` on a NaN/inf loss; every refusal (a bad value, another corpus on
     resume) comes before anything in ``out`` is written."""
     with lock.hold(out):
-        return _train(model_cfg, cfg, Path(out), resume_from, on_event, base)
+        return _train(model_cfg, cfg, Path(out), resume_from, on_event, base, source)
 
 
 def _train(model_cfg: GPTConfig, cfg: TrainConfig, out: Path, resume_from: Path | None,
-           on_event: OnEvent | None, base: str | os.PathLike | None) -> TrainResult:
+           on_event: OnEvent | None, base: str | os.PathLike | None, source: finetune.Source | None) -> TrainResult:
     _check_context_parallel(model_cfg, cfg.context_parallel)
     seq_len = cfg.seq_len or model_cfg.block_size
     if seq_len > model_cfg.block_size:
@@ -117,7 +120,7 @@ def _train(model_cfg: GPTConfig, cfg: TrainConfig, out: Path, resume_from: Path 
     trained_on = saved[1]["meta"]["data"]["fingerprint"] if saved else None
     torch.manual_seed(cfg.seed)  # the same initial weights (and adapters) on every rank
     start_from = None if cfg.init_from is None else finetune.begin(
-        cfg.init_from, model_cfg, _adapters(cfg), saved and saved[1]["meta"], base)
+        cfg.init_from, model_cfg, _adapters(cfg), saved and saved[1]["meta"], base, source)
     corpus = _prepare_data(out, cfg, seq_len, rank, trained_on, start_from)
     general = None if start_from is None or not cfg.general_tokens else forgetting.general_rows(
         corpus.tokenizer, cfg.general_data, cfg.general_tokens, seq_len)  # (R, seq_len + 1)

@@ -34,8 +34,9 @@ _DATA_FIELDS_KEPT_ON_RESUME = {  # TrainConfig field -> why a resumed run keeps 
 
 def resolve_configs(out: str | os.PathLike, *, preset: str | None = None, config: str | None = None,
                     resume: bool = False, model_flags: dict | None = None, train_flags: dict | None = None,
-                    arch: str | None = None) -> tuple[GPTConfig, TrainConfig, Path | None]:
-    """(model config, train config, checkpoint to resume from or None), layered: dataclass
+                    arch: str | None = None) -> tuple[GPTConfig, TrainConfig, Path | None, finetune.Source | None]:
+    """(model config, train config, checkpoint to resume from or None, the ``--init-from`` model loaded for a
+    new run to take, :class:`~selfattn.training.finetune.Source`, or None), layered: dataclass
     defaults < ``preset`` < ``arch`` (a family's block, :func:`selfattn.families.writing.block`) <
     the JSON file ``config`` < the flags; on ``resume``: the newest checkpoint's configs < the
     flags (training fields, and model fields that change no shape). A resume may repeat the
@@ -54,7 +55,7 @@ def resolve_configs(out: str | os.PathLike, *, preset: str | None = None, config
                                                                     ("config", config)) if v))
         train_cfg = TrainConfig(**{**meta["train"], **train_flags})
         _check_resume_launch(ckpt, train_cfg, train_flags)
-        return GPTConfig(**{**meta["model"], **model_flags}), train_cfg, ckpt
+        return GPTConfig(**{**meta["model"], **model_flags}), train_cfg, ckpt, None
     if checkpoint.latest(out) is not None:
         raise ValueError(f"{str(out)!r} already holds checkpoints; pass --resume to continue it, or another --out")
     model_vals, train_vals = _layers(preset, arch, config, model_flags)
@@ -65,9 +66,9 @@ def resolve_configs(out: str | os.PathLike, *, preset: str | None = None, config
                              "model part (flags and --set change single fields)")
         if {"tokenizer", "bpe_vocab"} & {*train_flags, *train_vals}:
             raise ValueError("--init-from trains with the model's own tokenizer: drop --tokenizer and bpe_vocab")
-        return finetune.changed_config(finetune.source(train_cfg.init_from).model, model_flags,
-                                       train_cfg.init_from), train_cfg, None
-    return GPTConfig(**{**model_vals, **model_flags}), train_cfg, None
+        given = finetune.Source(train_cfg.init_from)
+        return finetune.changed_config(given.loaded.model, model_flags, given.path), train_cfg, None, given
+    return GPTConfig(**{**model_vals, **model_flags}), train_cfg, None, None
 
 
 def _layers(preset: str | None, arch: str | None, config: str | None, model_flags: dict) -> tuple[dict, dict]:

@@ -6,7 +6,7 @@ import torch
 
 from selfattn.cli import main
 from selfattn.io import loading
-from selfattn.training import checkpoint
+from selfattn.training import checkpoint, finetune
 
 from helpers.smollm2 import smollm2
 
@@ -38,6 +38,28 @@ def test_a_run_starts_from_the_models_weights_and_its_step_0_loss_is_the_models(
     fresh = tmp_path / "fresh"  # control: the same run from random weights starts elsewhere
     assert main(["train", *MICRO, "--max-steps", "2", "--out", str(fresh), *FROZEN]) == 0
     assert _log(fresh)[0]["val_loss"] != pytest.approx(_log(out)[0]["val_loss"], rel=1e-3)
+
+
+@pytest.mark.parametrize("lora", [[], ["--lora-rank", "2"]], ids=["full", "lora"])
+def test_the_source_is_read_once(base, tmp_path, monkeypatch, lora):
+    read = []
+
+    def counted(path, **kwargs):
+        read.append(str(path))
+        return loading.load(path, **kwargs)
+
+    monkeypatch.setattr(finetune, "load", counted)
+    flags = ["--init-from", str(base), *lora, "--batch-size", "4", "--max-steps", "1", "--eval-every", "1",
+             "--set", "eval_batches=1", "--save-every", "1"]
+    assert main(["train", *flags, "--out", str(tmp_path / "run")]) == 0
+    assert read == [str(base)]  # its config for the flags and its weights for the run: one read
+    given = finetune.Source(str(base))
+    given.take()
+    with pytest.raises(ValueError, match="was taken already"):  # a source serves one run
+        given.take()
+    if lora:  # control: a LoRA run resumed reads its base again, the model its adapters need
+        assert main(["train", *flags, "--max-steps", "2", "--resume", "--out", str(tmp_path / "run")]) == 0
+        assert len(read) == 3 and read[-1].startswith(str(base.absolute()))
 
 
 def test_flags_change_single_fields_and_a_shape_the_weights_cannot_fill_is_refused(base, tmp_path, capsys):

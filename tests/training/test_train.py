@@ -288,9 +288,10 @@ def test_config_file_layers_over_the_preset_and_flags_over_both(tmp_path):
 
     path = tmp_path / "cfg.json"
     path.write_text(json.dumps({"model": {"n_layer": 3}, "train": {"lr": 5e-4, "max_steps": 7}}))
-    model_cfg, train_cfg, resume = resolve_configs(tmp_path / "run", preset="tiny", config=str(path),
-                                                   train_flags={"max_steps": 9})
-    assert (model_cfg.n_layer, model_cfg.n_embd, train_cfg.lr, train_cfg.max_steps, resume) == (3, 128, 5e-4, 9, None)
+    model_cfg, train_cfg, resume, source = resolve_configs(tmp_path / "run", preset="tiny", config=str(path),
+                                                           train_flags={"max_steps": 9})
+    assert (model_cfg.n_layer, model_cfg.n_embd, train_cfg.lr, train_cfg.max_steps, resume, source) == \
+        (3, 128, 5e-4, 9, None, None)
 
 
 @pytest.mark.slow  # make check leaves it out: the kill-and-resume runs: three processes
