@@ -46,13 +46,13 @@ demo: setup
 	$(BIN)/selfattn sample --ckpt runs/tiny --prompt "The " --max-new-tokens 300 --seed 0
 
 test: setup $(CHROMIUM) models llama-cpp
-	$(BIN)/python -m pytest -q -n 2
+	$(BIN)/python -m pytest -q -n 2 --dist worksteal
 
 # The fast tier for the edit-test loop: the tests that need no model, no llama.cpp and no browser (marked
 # `external` by tests/conftest.py; `make test` runs them, and fails where a part is missing), nor the heaviest
 # (marked `slow`); its budget is 5 minutes on 2 cores: mark a test slow when it makes the tier miss it.
 check: setup
-	$(BIN)/python -m pytest -q -n 2 -m "not external and not slow"
+	$(BIN)/python -m pytest -q -n 2 --dist worksteal -m "not external and not slow"
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache

@@ -38,9 +38,9 @@ def pytest_collection_modifyitems(items):
             item.add_marker(part)
         if parts and item.get_closest_marker(needs.EXTERNAL) is None:
             item.add_marker(needs.EXTERNAL)
-    # the heaviest first (slow, then those loading a model or starting a program): xdist deals the first
-    # quarter round-robin to its workers and the rest on demand, so the run ends on short tests, not on
-    # one long test running alone
+    # the heaviest first (slow, then those loading a model or starting a program): the Makefile's
+    # `--dist worksteal` gives each worker a share in this order and lets an idle one take the other's tests
+    # from the far end, so the run ends on short tests, not on one long test running alone
     items.sort(key=lambda item: (item.get_closest_marker("slow") is None,
                                  item.get_closest_marker(needs.EXTERNAL) is None))
 

@@ -19,10 +19,11 @@ model of the same vocabulary (any ``--ckpt`` kind of path).
 
 ``--quantize int8`` decodes with weight-only int8 (:mod:`selfattn.generation.int8`): a quarter of
 float32's bytes per token read, at an accuracy cost that ``python -m benchmarks int8`` measures.
-``--compile`` decodes through ``torch.compile`` graphs (:func:`~selfattn.generation.compile_decode`),
-the speculative forwards and a draft model's included; on the CPU every family decodes
-through the C++ decode kernel instead (:mod:`selfattn.generation.kernel_step`), nothing to compile
-(a model with a sliding-window layer steps eagerly where the kernel does not serve a step).
+On the CPU each decode step is one call of the C++ decode kernel by default
+(:mod:`selfattn.generation.kernel_step`, every family of floats but gpt-oss's experts). ``--compile``
+(:func:`~selfattn.generation.compile_decode`) lays the weights out for the kernel first, so that its steps
+equal the eager ones to the bit, and decodes what the kernel does not serve through ``torch.compile`` graphs
+(elsewhere than the CPU, every step), the speculative forwards and a draft model's included.
 
 Tokens are turned into bytes one at a time and decoded incrementally, so a character whose
 UTF-8 bytes span several tokens is printed whole once its last byte arrives. Past the
@@ -66,8 +67,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(the model's first N layers draft) or draft:PATH (a smaller model, the same vocabulary)")
     flags.add_speed(p)
     p.add_argument("--compile", action="store_true",
-                   help="decode compiled, --speculative's forwards too: on the CPU through the C++ decode kernel "
-                        "(every family), elsewhere through torch.compile graphs, after compiling for seconds")
+                   help="decode compiled, --speculative's forwards too: the weights laid out for the decode kernel "
+                        "(the CPU's default) and torch.compile graphs for the steps it does not serve, after "
+                        "compiling for seconds")
 
 
 def main(args: argparse.Namespace) -> int:

@@ -59,14 +59,18 @@ HANDLED = ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "n_kv_head
            "logit_softcap", "n_experts", "experts_per_token", "expert_clamp")
 
 
-def unsupported(model: GPT) -> str | None:
-    """Why :class:`KernelStep` cannot run ``model``'s decode steps (None when it can)."""
-    why = matvec.failure()
-    if why is not None:
-        return f"the kernel did not build here ({why})"
+def unsupported(model: GPT, *, as_stored: bool = False) -> str | None:
+    """Why :class:`KernelStep` cannot run ``model``'s decode steps (None when it can): a model laid out for
+    the kernel's products (:func:`~selfattn.generation.layout.decode_layout`'s ``matvec`` form or int8), whose
+    eager step the kernel's equals; ``as_stored``: plain ``nn.Linear`` matrices too (stored in rows), whose
+    eager products are PyTorch's (the kernel sums in another order: generate's default,
+    :func:`~selfattn.generation.steps.steps_of`). The kernel is built (once) for a model on the CPU."""
     w = model.wte.weight
     if w.device.type != "cpu" or w.dtype not in DTYPES:
         return f"the model is {w.dtype} on {w.device}, the kernel takes float32, bfloat16 or float16 on the CPU"
+    why = matvec.failure()
+    if why is not None:
+        return f"the kernel did not build here ({why})"
     norms = [n for n in _norms(model) + _qk_norms(model) if n is not None]
     rules = {_norm_rule(n) for n in norms}
     if len(rules) > 1 or any(isinstance(rule, str) for rule in rules):
@@ -86,7 +90,8 @@ def unsupported(model: GPT) -> str | None:
     for m in matrices:
         if type(m) is Int8Linear and m.kernel != "matvec":
             return "an int8 matrix is multiplied by another kernel"
-        if type(m) is not Int8Linear and getattr(m, "one_row", None) != "matvec":
+        if type(m) is not Int8Linear and getattr(m, "one_row", None) != "matvec" and not (
+                as_stored and type(m) is nn.Linear):
             return (f"its one-row products are not the matvec kernel's ({getattr(m, 'one_row', 'nn.Linear')}: "
                     f"decode_layout() takes them wherever the kernel builds)")
         if type(m) is not Int8Linear and (not m.weight.is_contiguous() or m.weight.dtype != w.dtype):
@@ -181,12 +186,12 @@ def _rope_rule(attn: nn.Module) -> tuple:
 
 
 class KernelStep:
-    """``model``'s decode steps by the kernel (the model must be supported: :func:`unsupported`),
-    of the build ``isa`` (None: :func:`selfattn.kernels.matvec.chosen`). The weights are read from
+    """``model``'s decode steps by the kernel (the model must be supported: :func:`unsupported`, with
+    ``as_stored``), of the build ``isa`` (None: :func:`selfattn.kernels.matvec.chosen`). The weights are read from
     the model at the first call with a cache (:meth:`_weights`)."""
 
-    def __init__(self, model: GPT, *, isa: str | None = None):
-        why = unsupported(model)
+    def __init__(self, model: GPT, *, isa: str | None = None, as_stored: bool = False):
+        why = unsupported(model, as_stored=as_stored)
         if why is not None:
             raise ValueError(f"the decode kernel cannot run this model: {why}")
         self._model, self.isa = weakref.ref(model), isa  # weakly, as the steps hold it

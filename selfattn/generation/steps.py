@@ -1,10 +1,11 @@
-"""A model's decoding forwards, eager: what :func:`~selfattn.generation.generate` and speculative
-decoding call for each step, on the model's public API (:meth:`~selfattn.model.GPT.hidden`,
-:meth:`~selfattn.model.GPT.logits`).
+"""A model's decoding forwards: what :func:`~selfattn.generation.generate` and speculative decoding call
+for each step, on the model's public API (:meth:`~selfattn.model.GPT.hidden`, :meth:`~selfattn.model.GPT.logits`).
 
-:class:`Steps` runs them as the model's modules do; :class:`~selfattn.generation.compiled.CompiledDecode`,
-the same three calls compiled (a graph, or one call of the C++ decode kernel), replaces it for a model
-given to :func:`~selfattn.generation.compiled.compile_decode`. :func:`steps_of` says which a model has.
+:class:`Steps` runs them as the model's modules do; :class:`KernelSteps`, the default on the CPU, runs each
+decode step as one call of the C++ decode kernel over the weights as they are stored;
+:class:`~selfattn.generation.compiled.CompiledDecode`, the same three calls compiled (a graph, or the kernel
+over weights laid out for it), replaces them for a model given to
+:func:`~selfattn.generation.compiled.compile_decode`. :func:`steps_of` says which a model has.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from collections.abc import Sequence
 
 from torch import Tensor
 
+from selfattn.generation.kernel_step import KernelStep, unsupported
 from selfattn.kv_cache import KVCache
 from selfattn.model import GPT
 
@@ -53,17 +55,42 @@ _compiled: weakref.WeakKeyDictionary[GPT, Steps] = weakref.WeakKeyDictionary()  
 # (a model dropped drops its steps: they hold it weakly, or the map would keep it alive forever)
 
 
+class KernelSteps(Steps):
+    """The eager steps, each decode step (and verification) one call of the C++ decode kernel where it serves
+    it (:class:`~selfattn.generation.kernel_step.KernelStep`, ``as_stored``): a model's default decoding on the
+    CPU, nothing compiled and the model left as it is. The kernel's sums run in another order than PyTorch's
+    products: the same tokens as eager steps but at a near-tie."""
+
+    def __init__(self, model: GPT):
+        super().__init__(model)
+        self.kernel = KernelStep(model, as_stored=True)
+
+    def step(self, idx: Tensor, mask: Tensor | None, cache: Sequence[KVCache], past: int) -> Tensor:
+        if self.kernel.serves(mask, cache, idx.shape[1]):
+            return self.kernel(idx, cache, past)[:, -1]
+        return super().step(idx, mask, cache, past)
+
+    def logits(self, idx: Tensor, mask: Tensor | None, cache: Sequence[KVCache], past: int) -> Tensor:
+        if self.kernel.serves(mask, cache, idx.shape[1]):
+            return self.kernel(idx, cache, past)
+        return super().logits(idx, mask, cache, past)
+
+
 def steps_of(model: GPT) -> Steps:
-    """The forwards ``model`` decodes with: its compiled ones after ``compile_decode(model)``, else eager.
-    Eager too while ``model.tap`` is set (hooks): the compiled steps never call it, so that they would
-    decode as if unhooked; a UserWarning says so (once: one place warns, and Python's default filter shows
-    a place's warning once)."""
+    """The forwards ``model`` decodes with: its compiled ones after ``compile_decode(model)``; else the
+    decode kernel's where it runs the model as it is stored (:class:`KernelSteps`: on the CPU), else eager.
+    Eager while ``model.tap`` is set (hooks): the kernel and graphs never call it, so that they would decode
+    as if unhooked; compiled steps passed over say so in a UserWarning (once: one place warns, and Python's
+    default filter shows a place's warning once)."""
     steps = _compiled.get(model)
-    if steps is not None and model.tap is not None:
-        warnings.warn("a hooked model (model.tap set) decodes eagerly: its compiled steps (the decode kernel, "
-                      "graphs) never call the tap")
+    if model.tap is not None:
+        if steps is not None:
+            warnings.warn("a hooked model (model.tap set) decodes eagerly: its compiled steps (the decode kernel, "
+                          "graphs) never call the tap")
         return Steps(model)
-    return steps or Steps(model)
+    if steps is not None:
+        return steps
+    return KernelSteps(model) if unsupported(model, as_stored=True) is None else Steps(model)
 
 
 def set_compiled(model: GPT, steps: Steps | None) -> None:

@@ -7,9 +7,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from selfattn.generation import decode_layout, generate, layout
+from selfattn.generation import decode_layout, generate, kernel_step, layout, steps
 from selfattn.generation.layout import FEW, RowLinear
 from selfattn.generation.sampling import greedy, next_token, top_k_filter, top_p_filter
+from selfattn.generation.steps import KernelSteps, Steps, steps_of
+from selfattn.interp import hooks
 from selfattn.kernels import matvec
 from selfattn.kv_cache import KVCache, RollingKVCache
 
@@ -280,6 +282,44 @@ def test_decode_layout_changes_strides_only():
     assert torch.equal(torch.stack(list(generate(model, idx, 10, temperature=0)), 1), tokens)
     decode_layout(model, one_row="mv", few_rows="linear")  # idempotent
     assert model.blocks[0].mlp.c_fc.weight.stride() == (1, 128)
+
+
+def test_generate_decodes_on_the_kernel_by_default_and_leaves_the_model_as_it_was(monkeypatch):
+    model = scrambled(small(**VARIANTS["llama-shaped"])).eval()
+    before = {k: (v.data_ptr(), v.clone()) for k, v in model.state_dict().items()}
+    classes = [type(m) for m in model.modules()]
+    idx = torch.randint(0, 61, (2, 6))
+    if matvec.failure() is not None:  # no kernel here: the eager steps
+        assert type(steps_of(model)) is Steps
+        return
+    kernel = steps_of(model)
+    assert type(kernel) is KernelSteps
+    caches = [model.new_cache(2, 16) for _ in range(2)]
+    with torch.inference_mode():
+        for cache in caches:
+            Steps(model).step(idx, None, cache, 0)
+        for p in range(6, 12):  # each decode step the kernel's, the eager step's within another order of sums
+            tok = torch.randint(0, 61, (2, 1))
+            assert_same_logits(kernel.step(tok, None, caches[0], p), Steps(model).step(tok, None, caches[1], p))
+    tokens = torch.stack(list(generate(model, idx, 12, temperature=0)), 1)
+    monkeypatch.setattr(steps, "unsupported", lambda model, **kw: "control: eager")
+    assert type(steps_of(model)) is Steps
+    assert torch.equal(torch.stack(list(generate(model, idx, 12, temperature=0)), 1), tokens)
+    assert [type(m) for m in model.modules()] == classes  # nothing swapped, laid out or copied
+    assert all(v.data_ptr() == before[k][0] and torch.equal(v, before[k][1]) for k, v in model.state_dict().items())
+
+
+def test_the_kernel_passes_its_steps_to_eager_ones_where_it_does_not_serve():
+    model = scrambled(small(**VARIANTS["llama-shaped"], dropout=0.1)).train()  # dropout to draw
+    if matvec.failure() is not None:
+        return
+    cache = model.new_cache(1, 8)
+    assert not steps_of(model).kernel.serves(None, cache)
+    assert steps_of(model.eval()).kernel.serves(None, cache)
+    assert "its experts are not stored in rows" in kernel_step.unsupported(
+        scrambled(small(**VARIANTS["post-norm-experts-sinks"])), as_stored=True)  # gpt-oss's, until decode_layout
+    with hooks(model, {"blocks.0.hook_resid_pre": lambda t, n: None}):  # hooks fire: eager
+        assert type(steps_of(model)) is Steps
 
 
 def test_decode_layout_takes_the_matvec_kernel_by_rule_wherever_it_builds(monkeypatch):
