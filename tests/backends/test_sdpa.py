@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from selfattn import attention
 from selfattn.backends import sdpa
-from selfattn.generation import compile_decode, decode_layout, generate
+from selfattn.generation import compile_decode, decode_layout, generate, steps
 from selfattn.kernels import features, matvec
 from tests.helpers.models import scrambled, small
 
@@ -84,9 +84,10 @@ def test_the_kernel_serves_where_its_build_was_measured_faster(monkeypatch, isa)
 
 
 @pytest.mark.slow  # make check leaves it out: one of its heaviest tests
-def test_a_compiled_decode_step_attends_in_the_kernel_within_its_graph(kernel_calls):
+def test_a_compiled_decode_step_attends_in_the_kernel_within_its_graph(kernel_calls, monkeypatch):
     model = scrambled(small(pos="rope", n_kv_head=2)).to(torch.bfloat16)
     prompt = torch.randint(61, (1, 5))
+    monkeypatch.setattr(steps, "unsupported", lambda model, **kw: "the eager steps")  # not the C++ decode step
     eager = list(generate(model, prompt, 4, temperature=0))
     assert kernel_calls == [torch.bfloat16] * 3 * len(model.blocks)  # three decoded tokens, every layer
     torch._dynamo.utils.counters.clear()
