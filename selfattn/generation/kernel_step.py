@@ -62,9 +62,11 @@ HANDLED = ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "n_kv_head
 def unsupported(model: GPT, *, as_stored: bool = False) -> str | None:
     """Why :class:`KernelStep` cannot run ``model``'s decode steps (None when it can): a model laid out for
     the kernel's products (:func:`~selfattn.generation.layout.decode_layout`'s ``matvec`` form or int8), whose
-    eager step the kernel's equals; ``as_stored``: plain ``nn.Linear`` matrices too (stored in rows), whose
-    eager products are PyTorch's (the kernel sums in another order: generate's default,
-    :func:`~selfattn.generation.steps.steps_of`). The kernel is built (once) for a model on the CPU."""
+    eager step the kernel's equals; ``as_stored``: plain float32 ``nn.Linear`` matrices too (stored in rows),
+    whose eager products are PyTorch's (generate's default, :func:`~selfattn.generation.steps.steps_of`). The
+    kernel sums in another order, which in float32 moves a logit by a rounding of its sum; in half precision
+    each product's rounding to the dtype turns that into other tokens at a near-tie, so plain half matrices
+    decode eagerly until laid out. The kernel is built (once) for a model on the CPU."""
     w = model.wte.weight
     if w.device.type != "cpu" or w.dtype not in DTYPES:
         return f"the model is {w.dtype} on {w.device}, the kernel takes float32, bfloat16 or float16 on the CPU"
@@ -91,9 +93,9 @@ def unsupported(model: GPT, *, as_stored: bool = False) -> str | None:
         if type(m) is Int8Linear and m.kernel != "matvec":
             return "an int8 matrix is multiplied by another kernel"
         if type(m) is not Int8Linear and getattr(m, "one_row", None) != "matvec" and not (
-                as_stored and type(m) is nn.Linear):
-            return (f"its one-row products are not the matvec kernel's ({getattr(m, 'one_row', 'nn.Linear')}: "
-                    f"decode_layout() takes them wherever the kernel builds)")
+                as_stored and type(m) is nn.Linear and m.weight.dtype == torch.float32):
+            return (f"its one-row products are not the matvec kernel's ({getattr(m, 'one_row', 'nn.Linear')} in "
+                    f"{m.weight.dtype}: decode_layout() takes them wherever the kernel builds)")
         if type(m) is not Int8Linear and (not m.weight.is_contiguous() or m.weight.dtype != w.dtype):
             return f"a matrix is not stored in rows of {w.dtype}"
     (int8, dtype), = kinds

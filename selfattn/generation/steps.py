@@ -58,8 +58,9 @@ _compiled: weakref.WeakKeyDictionary[GPT, Steps] = weakref.WeakKeyDictionary()  
 class KernelSteps(Steps):
     """The eager steps, each decode step (and verification) one call of the C++ decode kernel where it serves
     it (:class:`~selfattn.generation.kernel_step.KernelStep`, ``as_stored``): a model's default decoding on the
-    CPU, nothing compiled and the model left as it is. The kernel's sums run in another order than PyTorch's
-    products: the same tokens as eager steps but at a near-tie."""
+    CPU (float32, or laid out for the kernel), nothing compiled and the model left as it is. Over float32
+    ``nn.Linear`` weights the kernel's sums run in another order than PyTorch's products: the same tokens as
+    eager steps but at a near-tie."""
 
     def __init__(self, model: GPT):
         super().__init__(model)

@@ -12,7 +12,7 @@ from selfattn.generation.layout import FEW, RowLinear
 from selfattn.generation.sampling import greedy, next_token, top_k_filter, top_p_filter
 from selfattn.generation.steps import KernelSteps, Steps, steps_of
 from selfattn.interp import hooks
-from selfattn.kernels import matvec
+from selfattn.kernels import features, matvec
 from selfattn.kv_cache import KVCache, RollingKVCache
 
 from helpers.models import BACKENDS, PAIRS, VARIANTS, assert_same_logits, left_pad, scrambled, small
@@ -320,6 +320,25 @@ def test_the_kernel_passes_its_steps_to_eager_ones_where_it_does_not_serve():
         scrambled(small(**VARIANTS["post-norm-experts-sinks"])), as_stored=True)  # gpt-oss's, until decode_layout
     with hooks(model, {"blocks.0.hook_resid_pre": lambda t, n: None}):  # hooks fire: eager
         assert type(steps_of(model)) is Steps
+    half = scrambled(small(**VARIANTS["llama-shaped"])).eval().to(torch.bfloat16)
+    assert "nn.Linear in torch.bfloat16" in kernel_step.unsupported(half, as_stored=True)  # tokens would move
+    assert type(steps_of(half)) is Steps and type(steps_of(decode_layout(half))) is KernelSteps  # laid out: bitwise
+
+
+@pytest.mark.parametrize("isa", features.instruction_sets())  # every build this CPU runs, whichever it chose
+def test_the_default_kernel_gives_the_eager_tokens_in_every_build(monkeypatch, isa):
+    monkeypatch.setattr(matvec, "_chosen", [isa])
+    if matvec.failure() is not None:
+        return
+    for seed in range(4):
+        torch.manual_seed(seed)
+        model = scrambled(small(**VARIANTS["llama-shaped"])).eval()
+        idx = torch.randint(0, 61, (2, 6))
+        assert type(steps_of(model)) is KernelSteps and steps_of(model).kernel.isa is None  # the chosen build
+        tokens = torch.stack(list(generate(model, idx, 12, temperature=0)), 1)
+        with monkeypatch.context() as eager:
+            eager.setattr(steps, "unsupported", lambda model, **kw: "control: eager")
+            assert torch.equal(torch.stack(list(generate(model, idx, 12, temperature=0)), 1), tokens), seed
 
 
 def test_decode_layout_takes_the_matvec_kernel_by_rule_wherever_it_builds(monkeypatch):
